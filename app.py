@@ -1,0 +1,37 @@
+"""treeviz: a live explorer of speculative decoding draft trees (Gradio + Plotly).
+
+    python app.py                       # offline default pair (Qwen2.5-Coder 1.5B + 0.5B), loads in the background
+    python app.py --pair tiny-random    # tiny random models: instant, for play and tests
+    python app.py --port 7860 --host 0.0.0.0
+
+TREEVIZ_PAIR=tiny-random works like --pair. The gallery traces and trace uploads work before any model loads.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from treeviz.ui import build_demo, launch_kwargs
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default=os.environ.get("TREEVIZ_PAIR", "default"),
+                        help="model pair to load first: default, tiny-random, or 'target + draft' hub ids")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    parser.add_argument("--no-preload", action="store_true", help="load the models only when a run needs them")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    demo = build_demo(initial_pair=args.pair, load_on_start=not args.no_preload)
+    demo.queue(default_concurrency_limit=4)
+    demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Benchmark: every method on the same prompts in one process, AR measured in the same run, warm-up excluded.
+
+`hf-assisted` is transformers' own assisted generation (`generate(assistant_model=draft)`): the peer to beat.
+Throughput per method and prompt set = new tokens / wall time summed over prompts and repeats; speedup divides
+by AR's throughput on the same prompts. Quality metrics (L-bar, l-bar, acceptance) average over iterations.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from engine.decoder import Decoder, encode_prompt
+from engine.drafter import synchronize
+from engine.metrics import compare_outputs
+from engine.models import ModelPair
+from engine.prompts import load_prompt_set
+from engine.strategies import make_strategy
+from engine.trace import RunResult
+
+HF_ASSISTED = "hf-assisted"
+
+
+def hf_assisted(pair: ModelPair, prompt, max_new_tokens: int, stop_on_eos: bool = True) -> dict[str, Any]:
+    ids = torch.tensor([encode_prompt(pair.tokenizer, prompt)], device=pair.device)
+    eos = pair.eos_token_ids if stop_on_eos else None
+    synchronize(pair.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = pair.target.generate(
+            ids, attention_mask=torch.ones_like(ids), assistant_model=pair.draft, max_new_tokens=max_new_tokens,
+            do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=eos,
+            pad_token_id=pair.tokenizer.pad_token_id or (pair.eos_token_ids or [0])[0])
+    synchronize(pair.device)
+    seconds = time.perf_counter() - start
+    output_ids = out[0, ids.shape[1]:].tolist()
+    return {"output_ids": output_ids, "new_tokens": len(output_ids), "total_s": seconds}
+
+
+def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset: str = "cpu",
+               params: dict | None = None) -> dict[str, Any]:
+    if method == HF_ASSISTED:
+        return hf_assisted(pair, prompt, max_new_tokens)
+    strategy = make_strategy(method, preset, **(params or {}).get(method, {}))
+    result = Decoder(pair, strategy).generate(prompt, max_new_tokens=max_new_tokens)
+    return {"output_ids": result.output_ids, "new_tokens": len(result.output_ids),
+            "total_s": result.metrics["total_s"], "result": result}
+
+
+def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_tokens: int = 96,
+          repeats: int = 1, limit: int | None = None, preset: str = "cpu", params: dict | None = None,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    methods = ["ar"] + [m for m in methods if m != "ar"]  # AR first: every speedup divides by it
+    sets = ["code", "chat", "prose"] if prompt_set == "all" else [prompt_set]
+    # Warm-up, excluded: first calls pay for allocator growth and kernel selection.
+    warm = load_prompt_set(sets[0])[0]["prompt"]
+    for method in methods:
+        run_method(pair, method, warm, 8, preset, params)
+
+    rows = []
+    for set_name in sets:
+        prompts = load_prompt_set(set_name)[:limit]
+        per_method: dict[str, list[dict]] = {m: [] for m in methods}
+        for entry in prompts:
+            reference = None
+            for method in methods:
+                for _ in range(repeats):
+                    out = run_method(pair, method, entry["prompt"], max_new_tokens, preset, params)
+                    if method == "ar" and reference is None:
+                        reference = out["output_ids"]
+                    out["exact"] = out["output_ids"] == reference
+                    per_method[method].append(out)
+                log(f"  {set_name:5s} {entry['name'][:28]:28s} {method:11s} "
+                    f"{out['new_tokens'] / out['total_s']:6.2f} tok/s  exact={out['exact']}")
+        ar_tps = _throughput(per_method["ar"])
+        for method in methods:
+            rows.append(_summarise(set_name, method, per_method[method], ar_tps))
+    return {"config": {"target": pair.target_name, "draft": pair.draft_name, "device": str(pair.device),
+                       "dtype": str(pair.dtype).removeprefix("torch."), "max_new_tokens": max_new_tokens,
+                       "repeats": repeats, "preset": preset, "prompt_set": prompt_set, "limit": limit,
+                       "threads": torch.get_num_threads()},
+            "rows": rows}
+
+
+def _throughput(outs: list[dict]) -> float:
+    return sum(o["new_tokens"] for o in outs) / sum(o["total_s"] for o in outs)
+
+
+def _summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> dict[str, Any]:
+    tps = _throughput(outs)
+    row: dict[str, Any] = {"prompt_set": set_name, "method": method, "runs": len(outs), "tokens_per_s": tps,
+                           "speedup": tps / ar_tps, "exact_match_rate": sum(o["exact"] for o in outs) / len(outs)}
+    results: list[RunResult] = [o["result"] for o in outs if "result" in o]
+    if results:
+        iters = [it for r in results for it in r.iterations]
+        drafted = sum(it.drafted for it in iters)
+        row.update({
+            "mean_tokens_per_iter": sum(it.committed for it in iters) / len(iters),
+            "mean_accepted_len": sum(it.accepted for it in iters) / len(iters),
+            "acceptance_rate": sum(it.accepted for it in iters) / drafted if drafted else None,
+            "iterations": sum(len(r.iterations) for r in results) / len(results),
+            "ttft_s": sum(r.metrics["ttft_s"] for r in results) / len(results),
+            "tpot_s": sum(r.metrics["tpot_s"] or 0.0 for r in results) / len(results),
+            "stage_s": {s: sum(r.metrics["stage_s"][s] for r in results) / len(results)
+                        for s in results[0].metrics["stage_s"]},
+        })
+    return row
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (f"{'set':6s} {'method':12s} {'tok/s':>7s} {'speedup':>8s} {'L̄':>6s} {'ℓ̄':>6s} {'accept':>7s} "
+            f"{'#iter':>6s} {'TTFT s':>7s} {'TPOT s':>7s} {'exact':>6s}")
+    lines = [head, "-" * len(head)]
+
+    def fmt(value, spec):
+        return format(value, spec) if value is not None else "-".rjust(len(format(0.0, spec)))
+
+    for r in report["rows"]:
+        lines.append(
+            f"{r['prompt_set']:6s} {r['method']:12s} {r['tokens_per_s']:7.2f} {r['speedup']:7.2f}× "
+            f"{fmt(r.get('mean_tokens_per_iter'), '6.2f')} {fmt(r.get('mean_accepted_len'), '6.2f')} "
+            f"{fmt(r.get('acceptance_rate'), '7.2f')} {fmt(r.get('iterations'), '6.1f')} "
+            f"{fmt(r.get('ttft_s'), '7.3f')} {fmt(r.get('tpot_s'), '7.3f')} {r['exact_match_rate']:6.2f}")
+    return "\n".join(lines)
+
+
+def compare_with_ar(pair: ModelPair, result: RunResult, prompt, max_new_tokens: int, **stop) -> dict[str, Any]:
+    reference = Decoder(pair, make_strategy("ar")).generate(prompt, max_new_tokens=max_new_tokens, **stop)
+    comparison = compare_outputs(result, reference)
+    result.comparison = comparison
+    if "speedup_vs_ar" in comparison:
+        result.metrics["speedup_vs_ar"] = comparison["speedup_vs_ar"]
+    return comparison

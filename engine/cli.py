@@ -1,0 +1,176 @@
+"""Command line: `python -m engine generate ...` and `python -m engine bench ...` (see --help of each)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine.strategies import STRATEGIES, StrategyError, make_strategy
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", help="shorthand for both models: default | tiny-random | tiny-random-unrelated | "
+                                  "tiny-random-identical")
+    p.add_argument("--target", help="default | tiny-random | hub id | local directory | .gguf path")
+    p.add_argument("--draft", help="as --target (default: the pair's draft)")
+    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (default auto)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+    p.add_argument("--preset", default="cpu", help="strategy parameter preset: cpu (default) | paper")
+
+
+def _add_strategy_params(p: argparse.ArgumentParser) -> None:
+    """One flag per strategy parameter, collected from every strategy's declaration."""
+    group = p.add_argument_group("strategy options (each applies to the strategies that declare it)")
+    seen = {}
+    for cls in STRATEGIES.values():
+        for param in cls.params:
+            if param.name in seen:
+                seen[param.name].append(cls.name)
+                continue
+            seen[param.name] = [cls.name]
+            flag = "--" + param.name.replace("_", "-")
+            if param.kind is bool:
+                group.add_argument(flag, dest=f"param_{param.name}", action=argparse.BooleanOptionalAction,
+                                   default=None, help=param.help or param.label)
+            else:
+                group.add_argument(flag, dest=f"param_{param.name}", type=param.kind, default=None,
+                                   metavar=param.kind.__name__.upper(), help=param.help or param.label)
+
+
+def _strategy_params(args, strategy: str, strict: bool = True) -> dict:
+    given = {k.removeprefix("param_"): v for k, v in vars(args).items() if k.startswith("param_") and v is not None}
+    declared = {p.name for p in STRATEGIES[strategy].params}
+    unknown = sorted(set(given) - declared)
+    if not strict:
+        return {k: v for k, v in given.items() if k in declared}
+    if unknown:
+        raise StrategyError(f"strategy {strategy!r} does not take {', '.join('--' + u.replace('_', '-') for u in unknown)}")
+    return given
+
+
+def _load(args):
+    from engine.models import PAIRS, load_pair
+    if args.pair:
+        if args.pair not in PAIRS:
+            raise SystemExit(f"error: unknown pair {args.pair!r}; choose from {', '.join(PAIRS)}")
+        target, draft = PAIRS[args.pair]
+    else:
+        target, draft = args.target or "default", args.draft
+    target, draft = args.target or target, args.draft or draft
+    if draft is None:
+        draft = target if target in ("default", "tiny-random") else None
+
+    def progress(fraction: float, message: str) -> None:
+        print(f"[{fraction * 100:5.1f}%] {message}", file=sys.stderr, flush=True)
+
+    pair = load_pair(target, draft, dtype=args.dtype, device=args.device,
+                     trust_remote_code=args.trust_remote_code, progress=progress)
+    print(pair.describe(), file=sys.stderr)
+    return pair
+
+
+def cmd_generate(args) -> int:
+    from engine.bench import compare_with_ar
+    from engine.decoder import Decoder
+    if args.prompt_file:
+        prompt = Path(args.prompt_file).read_text()
+    else:
+        prompt = args.prompt
+    if prompt is None:
+        raise SystemExit("error: give --prompt TEXT or --prompt-file F")
+    if args.chat:
+        prompt = [{"role": "user", "content": prompt}]
+    strategy = make_strategy(args.strategy, args.preset, **_strategy_params(args, args.strategy))
+    pair = _load(args)
+    stop = {"stop_on_eos": not args.no_eos, "stop_strings": tuple(args.stop or ())}
+    run = Decoder(pair, strategy).run(prompt, max_new_tokens=args.max_new_tokens, **stop)
+    for record in run:
+        if args.verbose:
+            print(f"iter {record.index:4d}  drafted {record.drafted:4d}  accepted {record.accepted:3d}  "
+                  f"+{record.committed} tokens  {record.times['total'] * 1000:7.1f} ms", file=sys.stderr)
+    result = run.result
+    if args.compare_ar:
+        compare_with_ar(pair, result, prompt, args.max_new_tokens, **stop)
+    print(result.output_text)
+    m = result.metrics
+    summary = (f"\n[{result.strategy}] {m['new_tokens']} tokens in {m['total_s']:.2f} s = {m['tokens_per_s']:.2f} "
+               f"tok/s | L̄ {m['mean_tokens_per_iter']:.2f} | ℓ̄ {m['mean_accepted_len']:.2f} | "
+               f"iterations {m['iterations']} | TTFT {m['ttft_s']:.3f} s")
+    if m.get("acceptance_rate") is not None:
+        summary += f" | acceptance {m['acceptance_rate']:.2f}"
+    if result.comparison:
+        c = result.comparison
+        summary += f"\nvs AR: speedup {c.get('speedup_vs_ar', float('nan')):.2f}×, exact match {c['exact_match']}"
+        if not c["exact_match"]:
+            summary += f" (first divergence at token {c['first_divergence']}, AR top-2 margin " \
+                       f"{c.get('reference_margin')})"
+    print(summary, file=sys.stderr)
+    if args.json:
+        data = result.to_dict()
+        data["metrics"] = result.metrics
+        if result.comparison:
+            data["exact_match"] = result.comparison["exact_match"]
+        Path(args.json).write_text(json.dumps(data, ensure_ascii=False, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from engine.bench import bench, format_table
+    methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
+    for m in methods:
+        if m != "hf-assisted" and m not in STRATEGIES:
+            raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, hf-assisted")
+    params = {m: _strategy_params(args, m, strict=False) for m in methods if m in STRATEGIES}
+    pair = _load(args)
+    report = bench(pair, methods, args.prompt_set, args.max_new_tokens, args.repeats, args.limit, args.preset,
+                   params, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="decode one prompt with one strategy")
+    _add_model_args(g)
+    g.add_argument("--strategy", default="dynatree", help=f"one of {', '.join(STRATEGIES)} (default dynatree)")
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompt-file", help="read the prompt from a file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--compare-ar", action="store_true", help="also run AR on the prompt: speedup and exact match")
+    g.add_argument("--json", help="write the run (metrics + per-iteration records) to this file")
+    g.add_argument("-v", "--verbose", action="store_true", help="print one line per iteration")
+    _add_strategy_params(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="all methods on a prompt set, AR in the same process, paper-style table")
+    _add_model_args(b)
+    b.add_argument("--strategies", default="ar,linear,fixed,dynatree,hf-assisted",
+                   help="comma list of strategies and/or hf-assisted")
+    b.add_argument("--prompt-set", default="all", help="code | chat | prose | all")
+    b.add_argument("--max-new-tokens", type=int, default=96)
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    b.add_argument("--json", help="write the report to this file")
+    _add_strategy_params(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (StrategyError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,124 @@
+"""The draft model's side of an iteration: batched expansion of tree nodes on the draft's own KV cache.
+
+The draft cache holds a prefix of the committed sequence. Tokens committed since (accepted leaves the draft never
+expanded, the previous bonus) are "pending" and ride along with the root in the iteration's first draft forward.
+Each later `expand` feeds one batch of tree nodes in one forward, under the same ancestor-only mask as the target.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from engine import kv
+from engine.tree import DraftTree
+
+# Turns draft logits [k, V] (float32) into the processed draft distributions q [k, V].
+Processor = Callable[[torch.Tensor], torch.Tensor]
+
+
+def softmax_processor(logits: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(logits, dim=-1)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Drafter:
+    def __init__(self, model, process: Processor = softmax_processor, generator: torch.Generator | None = None):
+        self.model = model
+        self.device = model.device
+        self.process = process
+        self.generator = generator  # the run's seeded generator when sampling: strategies draw children with it
+        self.cache = kv.new_cache(model)
+        self.cached = 0  # committed tokens held in the draft cache
+        self.forwards = 0
+        self.seconds = 0.0
+
+    # -- per iteration -------------------------------------------------------------------------------------------
+    def begin(self, tree: DraftTree, committed: list[int]) -> None:
+        """Start drafting `tree`; `committed` is the whole committed sequence, ending with the root."""
+        assert committed[-1] == tree.root_token
+        self.tree = tree
+        self.root_pos = len(committed) - 1
+        self.pending = committed[self.cached:-1]
+        self.rows: dict[int, int] = {}  # tree node -> draft cache row
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def expand(self, nodes: list[int]) -> torch.Tensor:
+        """One draft forward over `nodes`; returns their processed next-token distributions q, float32 [k, V]."""
+        start = time.perf_counter()
+        tree = self.tree
+        if 0 not in self.rows:
+            if nodes != [0]:
+                raise ValueError("the root must be expanded alone, before any other node")
+            logits = self._forward_root()
+        else:
+            logits = self._forward_nodes(nodes)
+        probs = self.process(logits.float())
+        synchronize(self.device)
+        self.forwards += 1
+        self.seconds += time.perf_counter() - start
+        for node, dist in zip(nodes, probs):
+            tree.confidence[node] = float(dist.max())
+        return probs
+
+    def _forward_root(self) -> torch.Tensor:
+        ids = self.pending + [self.tree.root_token]
+        positions = torch.arange(self.cached, self.root_pos + 1, device=self.device)[None]
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.rows[0] = self.root_pos
+        return out.logits[0, -1:]
+
+    def _forward_nodes(self, nodes: list[int]) -> torch.Tensor:
+        tree = self.tree
+        base = kv.cache_length(self.cache)
+        batch_col = {node: base + i for i, node in enumerate(nodes)}
+        visible = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
+        visible[:, : self.root_pos + 1] = True  # committed prefix and the root
+        for i, node in enumerate(nodes):
+            a = node
+            while a > 0:
+                col = batch_col.get(a, self.rows.get(a))
+                if col is None:
+                    raise ValueError(f"node {node}: ancestor {a} has not been expanded by the draft")
+                visible[i, col] = True
+                a = tree.parents[a]
+        mask = kv.additive_mask(visible.to(self.device), self.model.dtype)
+        positions = torch.tensor([[self.root_pos + tree.depths[n] for n in nodes]], device=self.device)
+        out = self.model(
+            input_ids=torch.tensor([[tree.tokens[n] for n in nodes]], device=self.device),
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.rows.update(batch_col)
+        return out.logits[0]
+
+    def remap(self, mapping: dict[int, int]) -> None:
+        """Follow a `DraftTree.reorder`/`prune` renumbering: rows of kept nodes move to their new ids, rows of
+        dropped nodes are forgotten (they stay in the cache until `finish` crops everything not accepted)."""
+        self.rows = {mapping[node]: row for node, row in self.rows.items() if node in mapping}
+
+    def finish(self, path: list[int]) -> None:
+        """Keep the committed part of the draft cache: the root and the accepted nodes the draft expanded."""
+        if 0 not in self.rows:
+            return  # this iteration drafted nothing; the cache is untouched
+        kept = []
+        for node in path[1:]:
+            if node not in self.rows:
+                break  # a node's descendants can only have rows if it has one
+            kept.append(self.rows[node])
+        kv.keep_rows(self.cache, self.root_pos + 1, kept)
+        self.cached = self.root_pos + 1 + len(kept)

@@ -1,0 +1,50 @@
+"""Run metrics, one definition each (DESIGN.md §5), computed from iteration records and wall times."""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.trace import IterationRecord, RunResult
+
+STAGES = ("draft", "build", "verify", "commit", "other")
+
+
+def run_metrics(iterations: list[IterationRecord], new_tokens: int, total_s: float, ttft_s: float) -> dict[str, Any]:
+    n = len(iterations)
+    drafted = sum(it.drafted for it in iterations)
+    accepted = [it.accepted for it in iterations]
+    max_len = max(accepted, default=0)
+    return {
+        "new_tokens": new_tokens,
+        "iterations": n,
+        "total_s": total_s,
+        "ttft_s": ttft_s,
+        "tpot_s": (total_s - ttft_s) / (new_tokens - 1) if new_tokens > 1 else None,
+        "tokens_per_s": new_tokens / total_s if total_s > 0 else None,
+        # L-bar: committed tokens (accepted + bonus) per target verification pass.
+        "mean_tokens_per_iter": sum(it.committed for it in iterations) / n if n else None,
+        # l-bar: accepted draft-path length, bonus excluded.
+        "mean_accepted_len": sum(accepted) / n if n else None,
+        "acceptance_rate": sum(accepted) / drafted if drafted else None,
+        "per_depth_acceptance": [sum(a >= d for a in accepted) / n for d in range(1, max_len + 1)] if n else [],
+        "mean_drafted": drafted / n if n else None,
+        "mean_draft_forwards": sum(it.draft_forwards for it in iterations) / n if n else None,
+        "stage_s": {s: sum(it.times.get(s, 0.0) for it in iterations) for s in STAGES},
+    }
+
+
+def compare_outputs(run: RunResult, reference: RunResult) -> dict[str, Any]:
+    """Does `run` reproduce `reference` (an AR run of the same prompt) token for token? If not, where first, and how
+    close the target's top-2 logits were there (a near-tie explains a bf16/fp16 flip)."""
+    a, b = run.output_ids, reference.output_ids
+    n = min(len(a), len(b))
+    first = next((i for i in range(n) if a[i] != b[i]), None)
+    if first is None and len(a) != len(b):
+        first = n
+    out: dict[str, Any] = {"exact_match": first is None, "first_divergence": first, "compared_tokens": n}
+    if first is not None:
+        for name, src in (("reference_margin", reference), ("run_margin", run)):
+            if first < len(src.token_sources):
+                out[name] = src.token_sources[first].get("margin")
+    if reference.metrics.get("tokens_per_s") and run.metrics.get("tokens_per_s"):
+        out["speedup_vs_ar"] = run.metrics["tokens_per_s"] / reference.metrics["tokens_per_s"]
+    return out

@@ -1,0 +1,24 @@
+"""Tree strategies, one module each, all behind `engine.strategies.base.Strategy`."""
+from engine.strategies.ar import Autoregressive
+from engine.strategies.base import Param, Strategy, StrategyError
+from engine.strategies.ddtree import DDTree
+from engine.strategies.delayed import Delayed
+from engine.strategies.dynatree import DynaTree
+from engine.strategies.dyspec import DySpec
+from engine.strategies.eagle2 import Eagle2
+from engine.strategies.fixed import FixedTree
+from engine.strategies.linear import Linear
+from engine.strategies.salf import SALF
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Autoregressive, Linear, FixedTree, DynaTree, DySpec, SALF, Eagle2, DDTree, Delayed)
+}
+
+
+def make_strategy(name: str, preset: str = "cpu", **params) -> Strategy:
+    if name not in STRATEGIES:
+        raise StrategyError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    return STRATEGIES[name](preset, **params)
+
+
+__all__ = ["STRATEGIES", "Param", "Strategy", "StrategyError", "make_strategy"]

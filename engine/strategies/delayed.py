@@ -1,0 +1,96 @@
+"""Delayed tree expansion (Thomas et al. §5, Def. 5.2): a (K, L1, L2) tree.
+
+A trunk of L1 draft tokens (sampled, or greedy), then K i.i.d. draft paths of L2 tokens from the trunk's end,
+all drawn at the draft temperature T from q^(1/T) (renormalised; q is the drafter's processed distribution).
+Delaying the branching point spends the i.i.d. width deep in the tree, where draft and target disagree most.
+The K paths are sampled in parallel: each step is ONE draft forward over the distinct current path ends; an end
+reached by m paths draws m i.i.d. children. Paths that draw the same token share one node, and
+tree.extra["multiplicity"][node] counts the draws at its parent that produced it (1 on the trunk) — sampling
+verifiers (SpecInfer-style) need the duplicates. Sampled nodes record child_mode "iid" and the exact distribution
+they drew from in child_dist. Draws use the run's sampling generator when the decoder gives the drafter one
+(temperature > 0), else the strategy's own, seeded with `seed` at every reset: runs repeat either way.
+The paper picks (K, L1, L2) per iteration with a neural selector; here they are fixed parameters.
+"""
+import torch
+
+from engine.strategies.base import Param, Strategy, StrategyError
+
+
+class Delayed(Strategy):
+    name = "delayed"
+    label = "Delayed tree expansion"
+    summary = "A trunk of L1 draft tokens, then K i.i.d. sampled draft paths of L2 tokens from its end."
+    child_mode = "iid"
+    params = (
+        Param("k", 3, 1, 16, 1, "K (branches)", "i.i.d. paths drawn at the branching point"),
+        Param("l1", 2, 0, 32, 1, "L1 (trunk length)", "draft tokens before the branching point"),
+        Param("l2", 2, 0, 32, 1, "L2 (branch length)", "draft tokens on each i.i.d. path"),
+        Param("temperature", 1.0, 0.05, 4.0, 0.05, "draft temperature", "children drawn from q^(1/T), renormalised"),
+        Param("greedy_trunk", False, label="greedy trunk",
+              help="take the draft's argmax on the trunk instead of sampling"),
+        Param("seed", 0, 0, 2**31 - 1, 1, "seed", "draft sampler seed when decoding greedily (else the run's seed)"),
+    )
+    presets = {
+        "cpu": {"k": 3, "l1": 2, "l2": 2, "temperature": 1.0, "greedy_trunk": False},
+        # The paper's selector chooses from K in 1..4, L1, L2 in 0..8; a fixed mid-range tree with full width.
+        "paper": {"k": 4, "l1": 4, "l2": 4, "temperature": 1.0, "greedy_trunk": False},
+    }
+
+    def check(self) -> None:
+        c = self.config
+        if c["l1"] + c["l2"] == 0:
+            raise StrategyError("L1 + L2 must be at least 1: a (K, 0, 0) tree drafts nothing (use the 'ar' strategy)")
+
+    def reset(self) -> None:
+        self.generator = None  # created on the draft's device at the first draw
+
+    def _draw(self, drafter, dist: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
+        """The distribution actually drawn from, and `count` i.i.d. tokens from it."""
+        t = self.config["temperature"]
+        if t != 1.0:
+            dist = torch.softmax(dist.log() / t, dim=-1)  # in log space: q^(1/T) underflows for small T
+        generator = getattr(drafter, "generator", None)
+        if generator is None:
+            if self.generator is None or self.generator.device != dist.device:
+                self.generator = torch.Generator(device=dist.device).manual_seed(self.config["seed"])
+            generator = self.generator
+        return dist, torch.multinomial(dist, count, replacement=True, generator=generator).tolist()
+
+    def build(self, drafter, tree) -> None:
+        c = self.config
+        multiplicity = [1]
+        tree.extra["multiplicity"] = multiplicity
+
+        def add(parent: int, dist: torch.Tensor, token: int) -> int:
+            child = tree.child_with_token(parent, token)
+            if child is None:
+                p = float(dist[token])
+                rank = int((dist > p).sum())
+                child = tree.add(parent, token, p, rank)
+                multiplicity.append(0)
+            multiplicity[child] += 1
+            return child
+
+        node = 0
+        for _ in range(c["l1"]):  # trunk: one draw per node
+            dist = drafter.expand([node])[0]
+            if c["greedy_trunk"]:
+                tree.child_dist[node], tree.child_mode[node] = dist, "topk"
+                token = int(dist.argmax())
+            else:
+                dist, (token,) = self._draw(drafter, dist, 1)
+                tree.child_dist[node], tree.child_mode[node] = dist, "iid"
+            node = add(node, dist, token)
+
+        ends = {node: c["k"]}  # path end -> number of paths through it
+        for _ in range(c["l2"]):
+            nodes = list(ends)
+            dists = drafter.expand(nodes)  # every distinct path end in one draft forward
+            next_ends: dict[int, int] = {}
+            for node, dist in zip(nodes, dists):
+                dist, draws = self._draw(drafter, dist, ends[node])
+                tree.child_dist[node], tree.child_mode[node] = dist, "iid"
+                for token in draws:
+                    child = add(node, dist, token)
+                    next_ends[child] = next_ends.get(child, 0) + 1
+            ends = next_ends

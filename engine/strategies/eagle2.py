@@ -1,0 +1,42 @@
+"""EAGLE-2 beam search (Li et al., the baseline of salf-talf App. B): expand the deepest layer, then re-rank.
+
+Expansion: the root's top-k children form layer 1; each later step takes the k nodes of the deepest layer with the
+highest path probability V (product of draft probabilities from the root), expands them in ONE draft forward and
+adds each one's top-k children, until the tree is `depth` deep (so `depth` draft forwards, root included; EAGLE-2's
+code gets its first forward free from the target's features, which our separate draft model cannot).
+Re-ranking: keep the N nodes with the highest V. A child's V never exceeds its parent's, and ties go to the
+shallower (then earlier) node, so the kept set is prefix-closed. Candidates live in the real tree while the draft
+works (the drafter needs their ids); the rest are pruned at the end and the drafter's rows remapped.
+"""
+from engine.strategies.base import Param, Strategy
+
+
+class Eagle2(Strategy):
+    name = "eagle2"
+    label = "EAGLE-2 beam"
+    summary = "Top-k of the deepest layer expanded for `depth` draft forwards, then the N most probable nodes kept."
+    params = (
+        Param("n", 24, 1, 1024, 1, "N (tree size)", "nodes kept after re-ranking (root excluded)"),
+        Param("k", 4, 1, 64, 1, "k (beam width)", "nodes expanded per layer, and children per expanded node"),
+        Param("depth", 4, 1, 32, 1, "depth", "tree depth = draft forwards per iteration"),
+    )
+    presets = {
+        "cpu": {"n": 24, "k": 4, "depth": 4},
+        "paper": {"n": 60, "k": 10, "depth": 7},
+    }
+
+    def build(self, drafter, tree) -> None:
+        c = self.config
+        k = c["k"]
+        layer = self.add_top_children(tree, 0, drafter.expand([0])[0], k)
+        for _ in range(c["depth"] - 1):
+            beam = sorted(layer, key=lambda v: (-tree.path_q[v], v))[:k]
+            if not beam:
+                break
+            dists = drafter.expand(beam)
+            layer = []
+            for node, dist in zip(beam, dists):
+                layer += self.add_top_children(tree, node, dist, k)
+        ranked = sorted(range(1, len(tree)), key=lambda v: (-tree.path_q[v], tree.depths[v], v))
+        if len(ranked) > c["n"]:
+            drafter.remap(tree.prune([0] + ranked[: c["n"]]))

@@ -1,0 +1,122 @@
+"""The draft token tree of one iteration.
+
+Node 0 is the root: the last committed token, not yet in either KV cache. Every other node is a candidate
+token conditioned on the root-to-node path. Nodes are stored in insertion order, and a node is always added
+after its parent, so node order is a valid topological order: the verifier feeds `tokens` to the target as is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    root_token: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    q: list[float] = field(default_factory=list)        # draft probability of the token given its parent
+    path_q: list[float] = field(default_factory=list)   # product of q along the root-to-node path
+    ranks: list[int] = field(default_factory=list)      # rank of the token in the parent's draft distribution
+    children: list[list[int]] = field(default_factory=list)
+    # Exact (processed) draft distribution that produced each expanded node's children; sampling rules need it.
+    child_dist: dict[int, torch.Tensor] = field(default_factory=dict)
+    # How the children of each node were drawn: "topk" (deterministic), "iid" or "without_replacement".
+    child_mode: dict[int, str] = field(default_factory=dict)
+    confidence: dict[int, float] = field(default_factory=dict)  # max draft probability at expanded nodes
+    # Strategy-specific, JSON-able signals for this iteration (e.g. SALF's round sums); copied into the record.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens.append(self.root_token)
+            self.parents.append(-1)
+            self.depths.append(0)
+            self.q.append(1.0)
+            self.path_q.append(1.0)
+            self.ranks.append(0)
+            self.children.append([])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def add(self, parent: int, token: int, q: float, rank: int = 0) -> int:
+        node = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.q.append(float(q))
+        self.path_q.append(self.path_q[parent] * float(q))
+        self.ranks.append(int(rank))
+        self.children.append([])
+        self.children[parent].append(node)
+        return node
+
+    def path_to(self, node: int) -> list[int]:
+        """Node ids from the root to `node`, both included."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def child_with_token(self, node: int, token: int) -> int | None:
+        for child in self.children[node]:
+            if self.tokens[child] == token:
+                return child
+        return None
+
+    def ancestor_matrix(self) -> torch.Tensor:
+        """Bool [n, n]: entry (i, j) is True iff j is i or an ancestor of i."""
+        n = len(self.tokens)
+        visible = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            parent = self.parents[i]
+            if parent >= 0:
+                visible[i] = visible[parent]
+            visible[i, i] = True
+        return visible
+
+    def is_prefix_closed(self) -> bool:
+        return all(p < i for i, p in enumerate(self.parents) if i > 0) and self.parents[0] == -1
+
+    def reorder(self, order: list[int]) -> dict[int, int]:
+        """Keep exactly the nodes in `order`, renumbered by their position in it; returns {old id: new id}.
+
+        `order` must start with the root and list every node after its parent, so the new numbering stays
+        topological. Works in place (the decoder and the drafter hold this object); per-node dicts are remapped.
+        A drafter that expanded nodes of this tree must be told too: `drafter.remap(mapping)`.
+        """
+        mapping = {old: new for new, old in enumerate(order)}
+        if len(mapping) != len(order) or not order or order[0] != 0:
+            raise ValueError("order must list distinct nodes, starting with the root")
+        for old in order[1:]:
+            parent = self.parents[old]
+            if mapping.get(parent, len(order)) >= mapping[old]:
+                raise ValueError(f"node {old} comes before its parent {parent} (or its parent is dropped)")
+        for name in ("tokens", "depths", "q", "path_q", "ranks"):
+            values = getattr(self, name)
+            values[:] = [values[old] for old in order]
+        self.parents[:] = [-1] + [mapping[self.parents[old]] for old in order[1:]]
+        self.children[:] = [[mapping[c] for c in self.children[old] if c in mapping] for old in order]
+        for name in ("child_dist", "child_mode", "confidence"):
+            old_dict = getattr(self, name)
+            new_dict = {mapping[k]: v for k, v in old_dict.items() if k in mapping}
+            old_dict.clear()
+            old_dict.update(new_dict)
+        return mapping
+
+    def prune(self, keep) -> dict[int, int]:
+        """Keep only the nodes in `keep` (a prefix-closed set with the root), in their current order."""
+        return self.reorder(sorted(set(keep)))

@@ -1,0 +1,204 @@
+"""Tree layout and figure contents, on synthetic records (no models, no downloads)."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.trace import IterationRecord, NodeRecord, load_run
+from treeviz import figures as F
+from treeviz.layout import children_map, tidy_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_iteration(index=0, n=30, seed=0, texts=None, resampled=False) -> IterationRecord:
+    """A random draft tree with an accepted path, rejected siblings, unreached subtrees and a bonus node."""
+    rng = random.Random(seed)
+    nodes = [NodeRecord(0, -1, 1, "root", 0, None, None, 1.0, None, "root")]
+    kids: dict[int, list[int]] = {0: []}
+    for i in range(1, n):
+        parent = rng.choice(list(kids))
+        rank = len(kids[parent])
+        q = round(rng.random() * (0.9 ** rank), 4)
+        text = texts[i % len(texts)] if texts else f"t{i}"
+        nodes.append(NodeRecord(i, parent, 100 + i, text, nodes[parent].depth + 1, q, rank,
+                                nodes[parent].path_q * q, rng.random(), "unreached"))
+        kids[parent].append(i)
+        kids[i] = []
+    # accepted path: follow the most probable child twice
+    path, node = [0], 0
+    for _ in range(2):
+        if not kids[node]:
+            break
+        node = max(kids[node], key=lambda c: nodes[c].q)
+        path.append(node)
+    on_path = set(path)
+    for nd in nodes[1:]:
+        if nd.id in on_path:
+            nd.status = "accepted"
+        elif nd.parent in on_path:
+            nd.status = "rejected"
+    bonus = NodeRecord(n, path[-1], 7, "!", nodes[path[-1]].depth + 1, None, None, None, 0.9, "bonus",
+                       resampled=resampled)
+    nodes.append(bonus)
+    return IterationRecord(index=index, position=10, nodes=nodes, accepted_path=path, bonus_token=7, bonus_text="!",
+                           new_tokens=[1] * len(path), drafted=n - 1, accepted=len(path) - 1, draft_forwards=3,
+                           params={}, times={"draft": 0.01, "build": 0.001, "verify": 0.02, "commit": 0.001,
+                                             "other": 0.0, "total": 0.032})
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_layout_is_tidy(seed):
+    it = make_iteration(n=60, seed=seed)
+    pos = tidy_layout(it.nodes)
+    by_id = {nd.id: nd for nd in it.nodes}
+    assert set(pos) == set(by_id)
+    assert pos[0] == (0, 0.0)  # root at depth 0, breadth 0
+    for nd in it.nodes:
+        assert pos[nd.id][0] == (0 if nd.parent < 0 else pos[nd.parent][0] + 1)  # depth axis = tree depth
+    # crossing-free: at every depth, the breadth order of nodes follows the breadth order of their parents
+    depths: dict[int, list[int]] = {}
+    for nid, (d, b) in pos.items():
+        depths.setdefault(d, []).append(nid)
+    for d, ids in depths.items():
+        ids.sort(key=lambda i: pos[i][1])
+        breadths = [pos[i][1] for i in ids]
+        assert all(b2 - b1 >= 1 - 1e-9 for b1, b2 in zip(breadths, breadths[1:])), "nodes overlap"
+        if d > 0:
+            parent_b = [pos[by_id[i].parent][1] for i in ids]
+            assert parent_b == sorted(parent_b), f"edges cross at depth {d}"
+    # parents centred over their children; siblings ordered by q (most probable first = smallest breadth)
+    _, children = children_map(it.nodes)
+    for parent, kids in children.items():
+        kid_b = [pos[k.id][1] for k in kids]
+        assert pos[parent][1] == pytest.approx((min(kid_b) + max(kid_b)) / 2)
+        ordered = sorted(kids, key=lambda k: pos[k.id][1])
+        qs = [k.q for k in ordered if k.status != "bonus"]
+        assert qs == sorted(qs, reverse=True)
+        assert ordered[-1].status == "bonus" or all(k.status != "bonus" for k in kids)
+
+
+def node_traces(fig):
+    return [t for t in fig.data if t.mode and "markers" in t.mode]
+
+
+def test_colour_scale_fixed_and_symbols_per_status():
+    fig = F.tree_figure(make_iteration(n=20, seed=3))
+    ca = fig.layout.coloraxis
+    assert (ca.cmin, ca.cmax) == (0.0, 1.0) and ca.showscale and ca.colorbar.title.text
+    symbols = {}
+    for t in node_traces(fig):
+        status = t.customdata[0][1]
+        symbols.setdefault(status, set()).add(t.marker.symbol)
+        if t.marker.coloraxis:
+            assert all(0 <= c <= 1 for c in t.marker.color)
+    assert {s for v in symbols.values() for s in v} and all(len(v) == 1 for v in symbols.values())
+    expected = {"root": "diamond", "accepted": "circle", "bonus": "star", "rejected": "x", "unreached": "circle-open"}
+    for status, symbol in expected.items():
+        assert symbols[status] == {symbol}, status
+    # every outcome has its own shape, so the figure reads without colour
+    assert len({next(iter(v)) for v in symbols.values()}) == len(symbols)
+    resampled = F.tree_figure(make_iteration(n=10, seed=1, resampled=True))
+    assert "star-diamond" in {t.marker.symbol for t in node_traces(resampled)}
+
+
+def test_accepted_edges_thicker_and_outlined():
+    fig = F.tree_figure(make_iteration(n=25, seed=5))
+    edges = {t.name: t.line.width for t in fig.data if t.mode == "lines"}
+    assert edges["edges: accepted"] > max(w for n, w in edges.items() if n != "edges: accepted")
+    acc = next(t for t in node_traces(fig) if t.customdata[0][1] == "accepted")
+    rej = next(t for t in node_traces(fig) if t.customdata[0][1] == "rejected")
+    assert acc.marker.line.width > rej.marker.line.width
+
+
+def test_hover_escapes_html_and_shows_whitespace():
+    it = make_iteration(n=8, seed=2, texts=["<b>", " \n\t", "a&b"])
+    fig = F.tree_figure(it)
+    hovers = [h for t in node_traces(fig) for h in t.hovertext]
+    labels = [x for t in node_traces(fig) for x in t.text]
+    assert any("&lt;b&gt;" in h for h in hovers)
+    assert not any("<b><b>" in h or "<b></b>" in h for h in hovers)  # the token is never live markup
+    assert any("␣⏎⇥" in h for h in hovers)
+    assert any("a&amp;b" in h for h in hovers)
+    assert "&lt;b&gt;" in labels and "<b>" not in labels
+    h = next(h for h in hovers if "&lt;b&gt;" in h)
+    for field in ("q (draft)", "cumulative q", "p (target)", "depth", "rank", "outcome"):
+        assert field in h
+
+
+def test_axis_ranges_fixed_across_iterations():
+    its = [make_iteration(index=i, n=5 + 12 * i, seed=i) for i in range(5)]
+    frame = F.run_frame(its)
+    ranges = set()
+    for it in its:
+        fig = F.tree_figure(it, frame=frame)
+        assert fig.layout.xaxis.autorange is False and fig.layout.yaxis.autorange is False
+        ranges.add((tuple(fig.layout.xaxis.range), tuple(fig.layout.yaxis.range), fig.layout.height))
+        for t in node_traces(fig):  # every node inside the frame
+            assert all(frame["x"][0] <= x <= frame["x"][1] for x in t.x)
+            assert all(frame["y"][0] <= y <= frame["y"][1] for y in t.y)
+    assert len(ranges) == 1
+    # live streaming: the frame only grows
+    grown = None
+    for it in its:
+        new = F.grow_frame(grown, it)
+        if grown:
+            assert new["x"][0] <= grown["x"][0] and new["x"][1] >= grown["x"][1]
+            assert new["y"][0] <= grown["y"][0] and new["y"][1] >= grown["y"][1]
+        grown = new
+
+
+def test_large_tree_labels_accepted_path_only():
+    it = make_iteration(n=300, seed=9)
+    fig = F.tree_figure(it)
+    on_path = set(it.accepted_path)
+    for t in node_traces(fig):
+        for (nid, status), label in zip(t.customdata, t.text):
+            if label:
+                assert nid in on_path or status == "bonus"
+    assert sum(len(t.x) for t in node_traces(fig)) == len(it.nodes)
+    assert len(fig.layout.annotations) == 0  # no per-node annotations
+
+
+def test_tokens_html_escapes_and_marks_provenance():
+    trace = ROOT / "assets" / "traces"
+    run = load_run(sorted(trace.glob("*.json"))[0])
+    html = F.tokens_html(run, selected=1)
+    assert html.count("class='tv-tok") == len(run.output_ids)
+    assert "tv-sel" in html and "iteration 1" in html
+    pieces = F.token_pieces(run)
+    assert [p["kind"] for p in pieces] == [s["kind"] for s in run.token_sources]
+    run.prompt = "<script>alert(1)</script>"
+    assert "<script>" not in F.tokens_html(run)
+
+
+def test_charts_and_badge():
+    its = [make_iteration(index=i, n=10, seed=i) for i in range(4)]
+    run = {"iterations": its, "metrics": {"tokens_per_s": 10.0}, "strategy": "x",
+           "comparison": {"exact_match": False, "first_divergence": 5, "reference_margin": 0.01}}
+    fig = F.charts_figure(run, selected=2)
+    names = {t.name for t in fig.data}
+    assert {"L̄ running mean", "acceptance rate", "P(ℓ ≥ d)", "draft", "verify"} <= names
+    assert "differs from AR from token 5" in F.badge_html(run["comparison"])
+    assert "matches AR" in F.badge_html({"exact_match": True, "compared_tokens": 9})
+    tp = F.throughput_figure(run, {"metrics": {"tokens_per_s": 5.0}})
+    assert "2.00×" in tp.layout.title.text
+
+
+def test_gallery_traces_small_and_loadable():
+    paths = sorted((ROOT / "assets" / "traces").glob("*.json"))
+    assert paths, "no gallery traces: run python -m treeviz.make_gallery"
+    for path in paths:
+        assert path.stat().st_size < 300 * 1024, path
+        run = load_run(path)
+        assert run.iterations and run.output_ids
+        F.tree_figure(run.iterations[0], frame=F.run_frame(run.iterations))
+
+
+def test_figures_do_not_import_torch():
+    code = "import sys, treeviz.figures, treeviz.layout; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

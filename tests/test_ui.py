@@ -1,0 +1,130 @@
+"""The app through gradio_client, launched in-process on 127.0.0.1 with the tiny random pair (no downloads)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+from gradio_client import Client, handle_file  # noqa: E402
+
+from test_ui_support import app_url, backend  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+GALLERY = sorted((ROOT / "assets" / "traces").glob("*.json"))
+# /run and /upload outputs, states excluded by the client
+SCRUBBER, STATUS, DOWNLOAD, TREE, TEXT, METRICS, CHARTS, THROUGHPUT, BADGE = range(9)
+
+
+@pytest.fixture(scope="module")
+def client():
+    return Client(app_url(), verbose=False)
+
+
+def plot_data(value) -> dict:
+    assert isinstance(value, dict) and value.get("type") == "plotly", value
+    return json.loads(value["plot"])
+
+
+def tree_nodes(value) -> int:
+    return sum(len(t.get("x", [])) for t in plot_data(value)["data"] if "markers" in t.get("mode", ""))
+
+
+def run_kwargs(params: dict):
+    """kwargs for /run: the strategy parameters go by their position in the flat control list."""
+    from treeviz.ui import param_controls_spec
+    spec = param_controls_spec()
+    out = {}
+    for (strategy, name), value in params.items():
+        index = next(i for i, (s, p) in enumerate(spec) if s == strategy and p.name == name)
+        out[f"param_{10 + index}"] = value
+    return out
+
+
+def test_run_prompt_gives_tree_and_metrics(client):
+    out = client.predict("def fib(n):\n", False, "tiny-random", "dynatree", "cpu", 24, api_name="/run")
+    assert "tokens/s" in out[STATUS] and "Traceback" not in out[STATUS]
+    assert tree_nodes(out[TREE]) >= 2
+    assert "tokens/s" in out[METRICS] and "L̄" in out[METRICS]
+    assert "AR" in out[BADGE]
+    assert out[SCRUBBER]["maximum"] >= 1
+    names = {t.get("name") for t in plot_data(out[CHARTS])["data"]}
+    assert "L̄ running mean" in names
+    assert len(plot_data(out[THROUGHPUT])["data"][0]["x"]) == 2  # the run beside AR, same session
+    trace = json.loads(Path(out[DOWNLOAD]).read_text())  # downloadable trace replays with engine.trace
+    assert trace["schema_version"] and trace["iterations"] and trace["comparison"]["exact_match"] is True
+    assert backend().pairs.loaded_name == "tiny-random"
+
+
+def test_empty_prompt_is_a_clear_message(client):
+    with pytest.raises(Exception) as info:
+        client.predict("   ", api_name="/run")
+    message = str(info.value)
+    assert "prompt is empty" in message and "Traceback" not in message
+
+
+def test_absurd_parameters_are_reported(client):
+    out = client.predict("hello", False, "tiny-random", "dynatree", "cpu", 8, api_name="/run",
+                         **run_kwargs({("dynatree", "d0"): 8, ("dynatree", "d_max"): 8}))
+    assert "D0" in out[STATUS] and "err" in out[STATUS] and "Traceback" not in out[STATUS]
+
+
+def test_unloadable_pair_is_reported(client):
+    out = client.predict("hello", False, "no-such-org/no-such-model + other", "linear", "cpu", 8, api_name="/run")
+    assert "load" in out[STATUS].lower() and "err" in out[STATUS] and "Traceback" not in out[STATUS]
+    # the pair in use switches back without harm
+    out = client.predict("hello", False, "tiny-random", "linear", "cpu", 8, api_name="/run")
+    assert "tokens/s" in out[STATUS]
+
+
+def test_gallery_trace_upload_replays_and_scrubs(client):
+    assert GALLERY
+    out = client.predict(handle_file(str(GALLERY[0])), "per iteration", api_name="/upload")
+    assert "replaying" in out[STATUS] and "no models" in out[STATUS]
+    assert tree_nodes(out[TREE]) >= 2
+    last = out[SCRUBBER]["maximum"]
+    first = client.predict(0, "per iteration", api_name="/scrub")
+    assert "iteration 0:" in plot_data(first[0])["layout"]["title"]["text"]
+    assert plot_data(first[0])["layout"]["xaxis"]["range"] == plot_data(out[TREE])["layout"]["xaxis"]["range"]
+    assert f"iteration {last}" in plot_data(out[TREE])["layout"]["title"]["text"]
+
+
+def test_bad_trace_upload_is_a_clear_message(client, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "prompt": "x"}')
+    out = client.predict(handle_file(str(bad)), "per iteration", api_name="/upload")
+    assert "Cannot replay" in out[STATUS] and "Traceback" not in out[STATUS]
+    junk = tmp_path / "junk.json"
+    junk.write_text("not json at all")
+    out = client.predict(handle_file(str(junk)), "per iteration", api_name="/upload")
+    assert "Cannot replay" in out[STATUS]
+
+
+def test_compare_table(client):
+    status, table, plot = client.predict("def add(a, b):\n", False, "tiny-random", "linear", "cpu", 16,
+                                         api_name="/compare", **{"param_" + str(10 + len(_spec())): ["linear",
+                                                                                                     "fixed"]})
+    rows = {row[0]: row for row in table["data"]}
+    assert set(rows) == {"ar", "linear", "fixed"}
+    assert table["headers"][:3] == ["strategy", "tokens/s", "speedup"]
+    assert tree_nodes(plot) >= 2
+
+
+def _spec():
+    from treeviz.ui import param_controls_spec
+    return param_controls_spec()
+
+
+def test_stop_cancels_a_run_in_flight(client):
+    import time
+    job = client.submit("def long(n):\n", False, "tiny-random", "dynatree", "cpu", 512, api_name="/run")
+    deadline = time.time() + 60
+    while time.time() < deadline and not any("decoding with" in str(o[STATUS]) for o in job.outputs()):
+        time.sleep(0.1)
+    assert "stopping" in client.predict(api_name="/stop")
+    while not job.done() and time.time() < deadline:
+        time.sleep(0.1)
+    final = job.outputs()[-1]
+    assert "stopped after" in final[STATUS]
+    assert tree_nodes(final[TREE]) >= 1

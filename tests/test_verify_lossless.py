@@ -1,0 +1,359 @@
+"""Every verification rule is lossless: with fixed synthetic target p and draft q on a 4-token vocabulary, the first
+three emitted tokens over 20,000 seeded trials follow the target's joint distribution (chi-square, p > 0.001).
+
+Each trial draws a fresh tree from q (i.i.d., without replacement, or top-k children), verifies it, and extends the
+emitted tokens (accepted path + bonus) with plain target samples to three tokens, exactly as the next iterations
+would. The rules run on numpy arrays with a Python random source (they only index, add, clip and sum), which keeps a
+trial near 50 us. The harness is tested too: a rule that accepts every child is caught.
+"""
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine.tree import DraftTree
+from engine.verify import VERIFIERS, Verdict, VerificationError, Verifier, make_verifier
+from engine.verify import theory
+from engine.verify.base import TopDown
+
+V, L, TRIALS = 4, 3, 20_000
+ALPHA = 1e-3
+
+
+class Vec:
+    """A tiny probability vector of plain floats with every operation the rules use (indexing, arithmetic, `.clip`,
+    `.sum`, `.tolist`); a few times cheaper per call than numpy at this size, which keeps 20,000 trials fast."""
+    __slots__ = ("x",)
+
+    def __init__(self, x):
+        self.x = [float(a) for a in x]
+
+    def _other(self, o):
+        return o.x if isinstance(o, Vec) else [o] * len(self.x)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i]
+
+    def __setitem__(self, i, value):
+        self.x[i] = value
+
+    def __add__(self, o):
+        return Vec([a + b for a, b in zip(self.x, self._other(o))])
+
+    def __sub__(self, o):
+        return Vec([a - b for a, b in zip(self.x, self._other(o))])
+
+    def __rsub__(self, o):
+        return Vec([o - a for a in self.x])
+
+    def __mul__(self, o):
+        return Vec([a * b for a, b in zip(self.x, self._other(o))])
+
+    def __truediv__(self, o):
+        return Vec([a / b for a, b in zip(self.x, self._other(o))])
+
+    def __pow__(self, k):
+        return Vec([a**k for a in self.x])
+
+    __radd__, __rmul__ = __add__, __mul__
+
+    def clip(self, min):  # noqa: A002 (numpy / torch spelling)
+        return Vec([a if a > min else min for a in self.x])
+
+    def sum(self):
+        return sum(self.x)
+
+    def tolist(self):
+        return list(self.x)
+
+
+def _tables(seed: int = 1):
+    """Target and draft next-token distributions for every context of up to L tokens; some entries zero."""
+    rng = np.random.default_rng(seed)
+    P, Q, contexts = {}, {}, [()]
+    for _ in range(L + 1):
+        grown = []
+        for ctx in contexts:
+            for table in (P, Q):
+                d = rng.random(V) ** 2
+                if rng.random() < 0.5:
+                    d[rng.integers(V)] = 0.0
+                table[ctx] = d / d.sum()
+            grown += [ctx + (t,) for t in range(V)]
+        contexts = grown
+    return P, Q
+
+
+P_ARRAYS, Q_ARRAYS = _tables()
+P = {ctx: Vec(d) for ctx, d in P_ARRAYS.items()}
+Q = {ctx: Vec(d) for ctx, d in Q_ARRAYS.items()}
+
+
+class PyRandom:
+    """The rules' random source for these tests: Python's Mersenne twister, seeded."""
+
+    def __init__(self, seed: int):
+        self.random = random.Random(seed).random
+
+    def uniform(self) -> float:
+        return self.random()
+
+    def choice(self, probs) -> int:
+        weights = probs.tolist()
+        u, acc, last = self.random() * sum(weights), 0.0, 0
+        for i, w in enumerate(weights):
+            if w > 0:
+                acc, last = acc + w, i
+                if u < acc:
+                    return i
+        return last
+
+
+class Rows:
+    """p[node] = the target distribution after the node's context."""
+
+    def __init__(self, contexts):
+        self.contexts = contexts
+
+    def __getitem__(self, node):
+        return P[self.contexts[node]]
+
+
+class Draws:
+    """Pre-drawn child tokens per context, in bulk (numpy), so building a tree costs only list appends."""
+
+    def __init__(self, seed: int, chunk: int = 4096):
+        self.rng, self.chunk, self.pools = np.random.default_rng(seed), chunk, {}
+
+    def take(self, ctx, k: int, mode: str) -> list[int]:
+        q, key = Q_ARRAYS[ctx], (ctx, mode)
+        if mode == "topk":
+            if key not in self.pools:
+                self.pools[key] = [int(t) for t in np.argsort(-q, kind="stable")]
+            return self.pools[key][:k]
+        pool, at = self.pools.get(key, (None, self.chunk))
+        if at == self.chunk:
+            if mode == "iid":
+                pool = self.rng.choice(V, size=(self.chunk, k), p=q).tolist()
+            else:  # Gumbel-top-k: each row is an ordering drawn without replacement
+                with np.errstate(divide="ignore"):
+                    keys = np.log(q) + self.rng.gumbel(size=(self.chunk, V))
+                support = int((q > 0).sum())
+                pool = np.argsort(-keys, axis=1)[:, :support].tolist()
+            at = 0
+        self.pools[key] = (pool, at + 1)
+        return pool[at][:k]
+
+
+def build_tree(branching, mode: str, draws: Draws):
+    """A tree whose depth-d nodes get branching[d] children drawn from Q given their context (top-k: the k most
+    likely). Built directly as lists: the rules read tokens, parents, children, child_dist and child_mode."""
+    tokens, parents, children, contexts = [0], [-1], [[]], [()]
+    dist, modes, frontier = {}, {}, [0]
+    for k in branching:
+        grown = []
+        for node in frontier:
+            dist[node], modes[node] = Q[contexts[node]], mode
+            for t in draws.take(contexts[node], k, mode):
+                child = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+                children.append([])
+                children[node].append(child)
+                contexts.append(contexts[node] + (t,))
+                grown.append(child)
+        frontier = grown
+    tree = DraftTree(root_token=0, tokens=tokens, parents=parents, children=children, child_dist=dist,
+                     child_mode=modes)
+    return tree, contexts
+
+
+def build_delayed(k: int, draws: Draws, merge: bool):
+    """One sampled token, then k i.i.d. paths of length 2 from it (a (k, 1, 2) delayed tree). merge=True stores it as
+    the delayed strategy does: paths drawing the same token share a node, tree.extra["multiplicity"][node] counting
+    the draws; merge=False keeps every draw a separate node."""
+    tree, contexts = DraftTree(root_token=0), [()]
+    counts = tree.extra["multiplicity"] = [1]
+
+    def add(parent, token):
+        if merge and (child := tree.child_with_token(parent, token)) is not None:
+            counts[child] += 1
+            return child
+        q = Q[contexts[parent]]
+        tree.child_dist[parent], tree.child_mode[parent] = q, "iid"
+        contexts.append(contexts[parent] + (token,))
+        counts.append(1)
+        return tree.add(parent, token, q[token])
+
+    trunk = add(0, draws.take((), 1, "iid")[0])
+    for _ in range(k):
+        node = trunk
+        for _ in range(2):
+            node = add(node, draws.take(contexts[node], 1, "iid")[0])
+    return tree, contexts
+
+
+def emitted(verifier: Verifier, make_tree, trials: int = TRIALS, seed: int = 0):
+    """Counts of the first L emitted tokens (flattened to V**L cells), and how often the root's emitted token was one
+    of its children (the acceptance rate of Appendix C)."""
+    rnd, draws = PyRandom(seed), Draws(seed)
+    counts, deeper = np.zeros(V**L, dtype=np.int64), 0
+    for _ in range(trials):
+        tree, contexts = make_tree(draws)
+        verdict = verifier.walk(tree, Rows(contexts), rnd)
+        out = [tree.tokens[n] for n in verdict.path[1:]] + [verdict.bonus]
+        assert all(tree.parents[b] == a for a, b in zip(verdict.path, verdict.path[1:]))
+        while len(out) < L:
+            out.append(rnd.choice(P[tuple(out)]))
+        counts[sum(t * V ** (L - 1 - i) for i, t in enumerate(out[:L]))] += 1
+        deeper += len(verdict.path) > 1
+    return counts, deeper / trials
+
+
+def target_joint() -> np.ndarray:
+    probs = np.ones(V**L)
+    for cell in range(V**L):
+        tokens = [(cell // V ** (L - 1 - i)) % V for i in range(L)]
+        for i in range(L):
+            probs[cell] *= P_ARRAYS[tuple(tokens[:i])][tokens[i]]
+    return probs
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square goodness of fit; cells expecting < 5 are pooled. A count in a zero-probability cell is a
+    certain failure."""
+    n = counts.sum()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * n
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+JOINT = target_joint()
+
+
+def check(rule: str, make_tree, seed: int = 0, k: int | None = None) -> None:
+    """Lossless (chi-square on the first L tokens); with k i.i.d. root children, also the Appendix C acceptance."""
+    verifier = make_verifier(rule)
+    counts, accepted = emitted(verifier, make_tree, seed=seed)
+    pvalue = chi_square_pvalue(counts, JOINT)
+    assert pvalue > ALPHA, f"{rule}: emitted tokens do not follow the target (chi-square p = {pvalue:.2g})"
+    if k is not None and rule in theory.ACCEPTANCE:
+        alpha = theory.ACCEPTANCE[rule](P[()], Q[()], k)
+        sigma = math.sqrt(alpha * (1 - alpha) / TRIALS)
+        assert abs(accepted - alpha) < 4.5 * sigma + 1e-9, f"{rule}, k={k}: measured {accepted}, formula {alpha}"
+
+
+# -- every rule, K = 1..4 children per node, with the child modes it claims ----------------------------------------
+CASES = (
+    [("token_matching", "topk", k) for k in (1, 2, 3, 4)] + [("nss", "iid", 3)]
+    + [("naive_tree", "iid", k) for k in (1, 2, 3, 4)] + [("naive_tree", m, 3) for m in ("without_replacement", "topk")]
+    + [("specinfer", "iid", k) for k in (1, 2, 3, 4)] + [("specinfer", "without_replacement", k) for k in (2, 3, 4)]
+    + [("specinfer", "topk", 3)]
+    + [("spectr", "iid", k) for k in (1, 2, 3, 4)]
+    + [("traversal", "iid", k) for k in (1, 2, 3, 4)] + [("traversal", m, 3) for m in ("without_replacement", "topk")]
+)
+DEEP = ["token_matching", "naive_tree", "specinfer", "spectr", "traversal"]
+
+
+@pytest.mark.parametrize("rule,mode,k", CASES)
+def test_tree_rule_is_lossless(rule, mode, k):
+    check(rule, lambda draws: build_tree((k, 1), mode, draws), seed=k, k=k if mode == "iid" else None)
+
+
+@pytest.mark.parametrize("rule", DEEP)
+def test_depth_three_tree_is_lossless(rule):
+    mode = "topk" if rule == "token_matching" else "iid"
+    check(rule, lambda draws: build_tree((2, 2, 2), mode, draws), seed=7)
+
+
+@pytest.mark.parametrize("rule,mode", [("naive", "iid"), ("block", "iid"), ("block", "topk")])
+def test_chain_rule_is_lossless(rule, mode):
+    check(rule, lambda draws: build_tree((1, 1, 1), mode, draws), k=1 if mode == "iid" else None)
+
+
+@pytest.mark.parametrize("rule", ["naive_tree", "specinfer", "spectr", "traversal"])
+def test_merged_duplicate_paths_are_lossless(rule):
+    """A delayed tree (one token, then 3 i.i.d. paths of length 2) stored as a trie with multiplicities."""
+    check(rule, lambda draws: build_delayed(3, draws, merge=True))
+
+
+def test_traversal_on_separate_duplicate_paths():
+    check("traversal", lambda draws: build_delayed(3, draws, merge=False))
+
+
+def test_traversal_refuses_an_uneven_split():
+    draws = Draws(0)
+    while True:  # a tree where two paths share their first token
+        tree, contexts = build_delayed(3, draws, merge=True)
+        if max(tree.extra["multiplicity"]) > 1:
+            break
+    shared = tree.extra["multiplicity"].index(max(tree.extra["multiplicity"]))
+    tree.extra["multiplicity"][shared] += 1  # one more copy than its draws below can be dealt to
+    with pytest.raises(VerificationError, match="cannot split"):
+        make_verifier("traversal").walk(tree, Rows(contexts), PyRandom(0))
+
+
+def test_block_equals_traversal_on_a_chain():
+    """Same acceptance probabilities, node by node, on the same chain (Traversal reduces to block verification)."""
+    class RejectAll(PyRandom):
+        def uniform(self):
+            return 1.0  # every test fails, so both rules report every node's acceptance probability
+
+    draws = Draws(0)
+    for _ in range(200):
+        tree, contexts = build_tree((1, 1, 1), "iid", draws)
+        block = make_verifier("block").walk(tree, Rows(contexts), RejectAll(0))
+        traversal = make_verifier("traversal").walk(tree, Rows(contexts), RejectAll(0))
+        assert block.accept_prob.keys() == traversal.accept_prob.keys() == {1, 2, 3}
+        for node, a in block.accept_prob.items():
+            assert math.isclose(a, traversal.accept_prob[node], abs_tol=1e-9)
+
+
+# -- the harness can fail ----------------------------------------------------------------------------------------------
+class AcceptEverything(TopDown):
+    """Deliberately wrong: always takes the first child (what a buggy rule ignoring p would do)."""
+    name = "accept_everything"
+
+    def solve(self, tree, p, draws, rng, accept):
+        return draws[0][0], tree.tokens[draws[0][0]], False
+
+
+class ForgetResidual(TopDown):
+    """Deliberately wrong: SpecInfer's rejections without the residual update (the bonus is drawn from p)."""
+    name = "forget_residual"
+
+    def solve(self, tree, p, draws, rng, accept):
+        for child, q in draws:
+            if rng.uniform() < min(1.0, float(p[tree.tokens[child]]) / float(q[tree.tokens[child]])):
+                return child, tree.tokens[child], False
+        return None, rng.choice(p), True
+
+
+@pytest.mark.parametrize("wrong", [AcceptEverything, ForgetResidual])
+def test_harness_detects_a_wrong_rule(wrong):
+    counts, _ = emitted(wrong(), lambda draws: build_tree((2, 2), "iid", draws), trials=5000)
+    assert chi_square_pvalue(counts, JOINT) < ALPHA  # caught with a quarter of the trials the real tests use
+
+
+def test_rules_declare_modes_and_refuse_incompatible_trees():
+    for name, cls in VERIFIERS.items():
+        assert set(cls.child_modes) <= {"topk", "iid", "without_replacement"}, name
+    tree, contexts = build_tree((2,), "topk", Draws(0))
+    with pytest.raises(VerificationError, match="spectr"):
+        make_verifier("spectr").check_tree(tree)
+    with pytest.raises(VerificationError, match="single draft chain"):
+        make_verifier("block").check_tree(tree)
+    assert isinstance(make_verifier("traversal").walk(tree, Rows(contexts), PyRandom(0)), Verdict)
