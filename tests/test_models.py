@@ -177,7 +177,8 @@ def test_tiny_pair_other_dtype_and_layers():
     assert pair.target.config.num_hidden_layers == 3
 
 
-@pytest.mark.parametrize("text", ["", "hello", "héllo wörld — 你好, 世界 🎉🚀", "tabs\tand\nnewlines\r\n  spaces ",
+@pytest.mark.parametrize("text", ["", "hello", "héllo wörld — 你好, 世界 🎉🚀",
+                                  "tabs\tand\nnewlines\r\n  spaces ",
                                   "\x00\x01 control", "<|endoftext|> literal specials <|im_end|>",
                                   "def f(x):\n    return x ** 2  # ∑"])
 def test_tokenizer_round_trips(text):
@@ -210,8 +211,9 @@ def test_resolve_device():
             resolve_device("cuda")
 
 
-@pytest.mark.parametrize("name,expected", [("fp32", torch.float32), ("float32", torch.float32), ("bf16", torch.bfloat16),
-                                           ("BFloat16", torch.bfloat16), ("fp16", torch.float16),
+@pytest.mark.parametrize("name,expected", [("fp32", torch.float32), ("float32", torch.float32),
+                                           ("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16),
+                                           ("fp16", torch.float16),
                                            ("float16", torch.float16), ("torch.float32", torch.float32),
                                            (torch.bfloat16, torch.bfloat16)])
 def test_resolve_dtype_names(name, expected):
@@ -447,6 +449,15 @@ def test_assemble_refuses_wrong_sha_and_size(tmp_path):
     assert assemble_chunks(chunks, dest, size=3000, sha256=good).stat().st_size == 3000
 
 
+def test_gguf_needs_accelerate_and_says_so(tmp_path, monkeypatch):
+    real = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "accelerate" else real(name, *a))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="accelerate.*requirements.txt"):
+        load_model(str(tmp_path / "m.gguf"), dtype="fp32", device="cpu")
+
+
 def test_missing_packages_name_the_pip_command(tmp_path, monkeypatch):
     fake_packages(tmp_path / "site", "fake-treeviz-missing-part", [b"a", b"b"])  # 2 of 3 installed
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
@@ -470,3 +481,136 @@ def test_cache_dir(monkeypatch, tmp_path):
     assert models.cache_dir() == Path.home() / ".cache" / "treeviz"
     repo = Path(__file__).resolve().parent.parent
     assert repo not in models.cache_dir().resolve().parents
+
+
+# ---- default pair end to end, on a tiny GGUF shipped in fake chunk packages --------------------------------------
+
+
+def write_tiny_gguf(path: Path, model, tok) -> Path:
+    """The tiny Qwen2 as an F32 GGUF (qwen2 architecture, byte-level gpt2 tokenizer), like llama.cpp would write."""
+    from gguf import GGUFWriter, TokenType
+
+    cfg = model.config
+    w = GGUFWriter(str(path), "qwen2")
+    w.add_name("tiny gguf")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([TokenType.NORMAL if i < 256 else TokenType.CONTROL for _, i in vocab])
+    w.add_token_merges([])
+    w.add_token_scores([0.0] * len(vocab))
+    w.add_eos_token_id(256)
+    w.add_pad_token_id(257)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+    for name, p in model.state_dict().items():
+        if name in top:
+            gname = top[name]
+        else:
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{per_layer[module]}.{kind}"
+        w.add_tensor(gname, p.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def tiny_gguf_package(tmp_path, monkeypatch):
+    """The tiny model as 'default-target': a GGUF split over 3 fake chunk packages, like the real ones."""
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_random_model(0), tiny_tokenizer())
+    blob = gguf.read_bytes()
+    cut = [0, len(blob) // 3, 2 * len(blob) // 3, len(blob)]
+    fake_packages(tmp_path / "site", "fake-treeviz-gguf-part", [blob[a:b] for a, b in zip(cut, cut[1:])])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    pm = PackagedModel("Tiny-GGUF", "fake-treeviz-gguf-part", "1.0", 3, len(blob), hashlib.sha256(blob).hexdigest())
+    monkeypatch.setitem(models.PACKAGED, "default-target", pm)
+    return pm
+
+
+def bf16_rounded_tiny():
+    """The converted cache stores weights in bf16: the tiny target with exactly that rounding, computing in fp32."""
+    ref = tiny_random_model(0)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+    return ref
+
+
+def test_default_path_assembles_converts_caches_and_reloads(tiny_gguf_package, monkeypatch):
+    cache = models.cache_dir()
+    (cache / "converted").mkdir(parents=True)
+    stale = cache / "converted" / ".tmp-0123456789abcdef-999999999"  # left by a crashed run (no such pid)
+    stale.mkdir()
+    seen = []
+    model, tok, name = load_model("default", dtype="fp32", device="cpu", progress=lambda f, m: seen.append((f, m)))
+    assert name == "Tiny-GGUF (GGUF, offline)"
+    messages = " | ".join(m for _, m in seen)
+    for stage in ("assembling", "verifying", "converting tokenizer", "dequantising", "float32 copy", "loaded"):
+        assert stage in messages, stage
+    fractions = [f for f, _ in seen]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+
+    ids = torch.tensor([tok.encode("through GGUF and back")])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, bf16_rounded_tiny()(ids).logits)
+    assert tok.decode(tok.encode("héllo 🎉", add_special_tokens=False)) == "héllo 🎉"
+    assert model.config._attn_implementation == "sdpa" and model.dtype == torch.float32
+    assert 256 in models.eos_token_ids(model, tok)
+
+    sha = tiny_gguf_package.sha256[:16]
+    assert sorted(p.name for p in (cache / "converted").iterdir()) == [sha, f"{sha}-float32"]  # stale temp gone
+    assert not list(cache.glob("*.gguf")) and not list(cache.rglob(".tmp-*"))  # assembled file deleted
+    assert (cache / "converted" / sha / "model.safetensors").is_file()
+
+    # later starts: straight from the cache, no assembling or converting
+    monkeypatch.setattr(models, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    monkeypatch.setattr(models, "assemble_chunks", lambda *a, **k: pytest.fail("assembled twice"))
+    again, _, _ = load_model("default-target", dtype="fp32", device="cpu")
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    bf16, _, _ = load_model("default", dtype="bf16", device="cpu")
+    assert bf16.dtype == torch.bfloat16
+    assert sorted(p.name for p in (cache / "converted").iterdir()) == [sha, f"{sha}-float32"]
+
+
+def test_failed_conversion_leaves_no_cache(tiny_gguf_package, monkeypatch):
+    from transformers import PreTrainedModel
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PreTrainedModel, "save_pretrained", disk_full)
+        with pytest.raises(ModelLoadError, match="No space left"):
+            load_model("default", dtype="bf16", device="cpu")
+    cache = models.cache_dir()
+    assert [p for p in cache.rglob("*") if p.is_file()] == []  # no .gguf, no temp dir, no half cache
+    model, _, _ = load_model("default", dtype="bf16", device="cpu")  # a later run starts over and succeeds
+    assert model.dtype == torch.bfloat16
+
+
+def test_gguf_file_loads_directly(tmp_path):
+    path = write_tiny_gguf(tmp_path / "direct.gguf", tiny_random_model(0), tiny_tokenizer())
+    model, tok, name = load_model(str(path), dtype="fp32", device="cpu")
+    assert name == "direct (GGUF)"
+    ids = torch.tensor([tok.encode("no bf16 rounding here")])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, tiny_random_model(0)(ids).logits)

@@ -10,6 +10,7 @@ gradio_client = pytest.importorskip("gradio_client")
 from gradio_client import Client, handle_file  # noqa: E402
 
 from test_ui_support import app_url, backend  # noqa: E402
+from treeviz.ui import FIXED_RUN_INPUTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GALLERY = sorted((ROOT / "assets" / "traces").glob("*.json"))
@@ -38,7 +39,7 @@ def run_kwargs(params: dict):
     out = {}
     for (strategy, name), value in params.items():
         index = next(i for i, (s, p) in enumerate(spec) if s == strategy and p.name == name)
-        out[f"param_{10 + index}"] = value
+        out[f"param_{FIXED_RUN_INPUTS + index}"] = value
     return out
 
 
@@ -103,7 +104,7 @@ def test_bad_trace_upload_is_a_clear_message(client, tmp_path):
 
 def test_compare_table(client):
     status, table, plot = client.predict("def add(a, b):\n", False, "tiny-random", "linear", "cpu", 16,
-                                         api_name="/compare", **{"param_" + str(10 + len(_spec())): ["linear",
+                                         api_name="/compare", **{"param_" + str(FIXED_RUN_INPUTS + len(_spec())): ["linear",
                                                                                                      "fixed"]})
     rows = {row[0]: row for row in table["data"]}
     assert set(rows) == {"ar", "linear", "fixed"}
@@ -122,9 +123,71 @@ def test_stop_cancels_a_run_in_flight(client):
     deadline = time.time() + 60
     while time.time() < deadline and not any("decoding with" in str(o[STATUS]) for o in job.outputs()):
         time.sleep(0.1)
-    assert "stopping" in client.predict(api_name="/stop")
+    client.predict(api_name="/stop")
     while not job.done() and time.time() < deadline:
         time.sleep(0.1)
     final = job.outputs()[-1]
     assert "stopped after" in final[STATUS]
     assert tree_nodes(final[TREE]) >= 1
+
+
+def test_preset_and_example_update_controls(client):
+    from treeviz.ui import param_controls_spec
+    spec = param_controls_spec()
+    out = client.predict("dynatree", "paper", api_name="/on_preset")
+    values = {p.name: v for (s, p), v in zip(spec, out) if s == "dynatree"}
+    from engine.strategies import STRATEGIES
+    paper = STRATEGIES["dynatree"].presets["paper"]
+    for name, value in paper.items():
+        got = values[name]["value"] if isinstance(values[name], dict) else values[name]
+        assert got == value, name
+    from treeviz.ui import example_label, load_examples
+    chat = next(e for e in load_examples() if e["kind"] == "chat")
+    text, use_chat = client.predict(example_label(chat), api_name="/on_example")
+    assert use_chat in (True, {"value": True, "__type__": "update"})
+
+
+def test_examples_fall_back_when_prompt_files_are_missing(tmp_path, monkeypatch):
+    import treeviz.ui as ui
+    monkeypatch.setattr(ui, "PROMPT_DIR", tmp_path)
+    assert ui.load_examples() == ui.FALLBACK_PROMPTS
+    (tmp_path / "code.json").write_text("{broken")
+    assert ui.load_examples() == ui.FALLBACK_PROMPTS
+
+
+def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
+    """While the default pair converts (minutes), the tiny pair must load and run; progress is reported."""
+    import threading
+    import time
+
+    import engine.models as models
+    from treeviz.backend import PairManager
+
+    release = threading.Event()
+    real = models.load_pair
+
+    def fake_load(target, draft, progress=None, **kw):
+        if target.startswith("default"):
+            progress(0.3, "converting GGUF")
+            release.wait(30)
+            raise models.ModelLoadError("fake: not today")
+        return real(target, draft, progress=progress, **kw)
+
+    monkeypatch.setattr(models, "load_pair", fake_load)
+    pm = PairManager()
+    pm.request("default")
+    deadline = time.time() + 10
+    while pm.status()["progress"][0] < 0.3 and time.time() < deadline:
+        time.sleep(0.05)
+    st = pm.status()
+    assert st["loading"] and st["progress"] == (0.3, "converting GGUF")
+    pm.request("tiny-random")
+    pair = pm.wait("tiny-random", threading.Event())
+    assert pair is not None and pm.status()["loaded"] == "tiny-random"
+    release.set()
+    time.sleep(0.3)
+    assert pm.status()["loaded"] == "tiny-random" and not pm.status()["error"]  # the stale load is ignored
+    pm.request("default")
+    with pytest.raises(Exception) as info:
+        pm.wait("default", threading.Event())
+    assert "fake: not today" in str(info.value)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +59,15 @@ def test_run_and_scrub_in_a_real_browser(tmp_path):
             assert "iteration 0" in page.locator("#tv-metrics").inner_text()
             page.screenshot(path=str(shots / "03_scrubbed.png"), full_page=False)
             assert (shots / "03_scrubbed.png").stat().st_size > 10_000
+
+            # live tuning: committing a new slider value re-runs the prompt by itself (no Run click)
+            box = page.locator("#tv-max-new input[type=number]")
+            box.fill("12")
+            box.press("Enter")
+            box.blur()
+            page.wait_for_function(
+                "document.querySelector('#tv-run-status').innerText.includes('12 tokens in')", timeout=60_000)
+            page.screenshot(path=str(shots / "04_retuned.png"), full_page=False)
             assert not errors, errors
         finally:
             browser.close()

@@ -98,16 +98,21 @@ class PairManager:
         self._cond = threading.Condition()
         self.run_lock = threading.Lock()
         self._generation = 0
+        self._inflight: dict[str, int] = {}  # pair name -> generation of its load still running
 
     def request(self, name: str) -> None:
-        """Start loading `name` (no-op if it is loaded or loading)."""
+        """Start loading `name` (no-op if it is loaded or loading). Loads run in background threads and never hold
+        the run lock while loading, so a quick pair (tiny-random) can be used while a slow one is still loading."""
         with self._cond:
-            if name == self.name and (self.loading or self.pair is not None):
+            if name == self.name and (self.loading or self.pair is not None) and not self.error:
                 return
             self.name, self.error, self.loading = name, None, True
+            if name in self._inflight:  # a load of this pair is still running: follow it
+                self._generation = self._inflight[name]
+                return
             self.progress = (0.0, f"loading {name}…")
             self._generation += 1
-            gen = self._generation
+            gen = self._inflight[name] = self._generation
         threading.Thread(target=self._load, args=(name, gen), daemon=True, name=f"load-{name}").start()
 
     def _load(self, name: str, gen: int) -> None:
@@ -119,15 +124,17 @@ class PairManager:
         try:
             from engine.models import load_pair
             target, draft = split_pair(name)
-            # free the previous pair first (one pair in memory at a time), once no run uses it
-            with self.run_lock:
-                with self._cond:
+            # one pair in memory at a time: drop the previous one as soon as no run uses it
+            with self.run_lock, self._cond:
+                if gen == self._generation:
                     self.pair, self.loaded_name = None, None
-                pair = load_pair(target, draft, progress=progress)
+            pair = load_pair(target, draft, progress=progress)
+            progress(1.0, "warming up (so the first measured run is not penalised)…")
+            _warm_up(pair)
             describe = pair.describe() if hasattr(pair, "describe") else name
             with self._cond:
                 if gen != self._generation:
-                    return
+                    return  # superseded by another pair while loading: let it go
                 self.pair, self.loaded_name, self.description = pair, name, str(describe)
                 self.loading, self.progress, self.loaded_at = False, (1.0, "ready"), time.time()
                 self._cond.notify_all()
@@ -137,6 +144,10 @@ class PairManager:
                 if gen == self._generation:
                     self.loading, self.error = False, friendly_error(err, "load")
                     self._cond.notify_all()
+        finally:
+            with self._cond:
+                if self._inflight.get(name) == gen:
+                    del self._inflight[name]
 
     def status(self) -> dict[str, Any]:
         with self._cond:
@@ -167,6 +178,18 @@ class Cancelled(Exception):
     pass
 
 
+def _warm_up(pair) -> None:
+    """A few tokens through target and draft: first calls pay for allocator growth and kernel selection, which
+    would otherwise land on the first run's (or AR's) tokens/s."""
+    try:
+        from engine.decoder import Decoder
+        from engine.strategies import make_strategy
+        name = "linear" if getattr(pair, "draft", None) is not None else "ar"
+        Decoder(pair, make_strategy(name)).generate("def hello():", max_new_tokens=4)
+    except Exception:  # noqa: BLE001 - warm-up is best effort
+        log.info("warm-up skipped:\n%s", traceback.format_exc())
+
+
 # -- decoding jobs -----------------------------------------------------------------------------------------------------
 def sampling_support() -> bool:
     """Does this engine have engine.sampling.Sampling and a Decoder that takes `sampling=`?"""
@@ -190,6 +213,7 @@ class RunSpec:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    verifier: str = "auto"
 
     def prompt_key(self) -> str:
         return json.dumps(self.prompt, sort_keys=True, ensure_ascii=False)
@@ -205,6 +229,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     events: "queue.Queue[tuple]" = field(default_factory=queue.Queue)
     thread: threading.Thread | None = None
+    superseded: bool = False  # cancelled because a newer job of the same session started
 
 
 class Backend:
@@ -220,6 +245,7 @@ class Backend:
         with self._jobs_lock:
             old = self._jobs.get(session)
             if old is not None:
+                old.superseded = True
                 old.cancel.set()
             self._jobs[session] = job
         job.thread = threading.Thread(target=self._guard, args=(target, job), daemon=True, name=f"job-{session}")
@@ -287,6 +313,9 @@ class Backend:
                                           top_p=float(spec.top_p), seed=int(spec.seed))
         elif not spec.greedy:
             raise UserError("this engine decodes greedily only: set temperature to 0")
+        if spec.verifier and spec.verifier != "auto" and strategy_name != "ar":
+            from engine.verify import make_verifier
+            kwargs["verifier"] = make_verifier(spec.verifier)
         return Decoder(pair, strategy, **kwargs)
 
     def _ar_key(self, pair, spec: RunSpec) -> tuple:

@@ -5,6 +5,7 @@ Only plain data goes in (NodeRecord / IterationRecord / RunResult or their dicts
 from __future__ import annotations
 
 import html
+import unicodedata
 from typing import Any, Iterable, Sequence
 
 import plotly.graph_objects as go
@@ -57,7 +58,15 @@ def visible_token(text: str | None) -> str:
         return "∅"
     if text == "":
         return "∅"
-    return html.escape("".join(WHITESPACE.get(ch, ch) for ch in text), quote=True)
+    out = []
+    for ch in text:
+        if ch in WHITESPACE:
+            out.append(WHITESPACE[ch])
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Zs", "Zl", "Zp"):
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}")  # invisible: show its code
+        else:
+            out.append(ch)
+    return html.escape("".join(out), quote=True)
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -182,7 +191,7 @@ def tree_traces(iteration: Any, label_all: bool | None = None, show_legend: bool
                 marker["line"] = {"width": 2.0}  # open symbols draw their outline in the fill colour (q)
             traces.append(go.Scatter(
                 x=xs, y=ys, mode="markers+text", text=labels, textposition="middle right",
-                textfont={"size": 12 if not large else 10, "family": "monospace", "color": "#222"},
+                textfont={"size": 14 if not large else 11, "family": "monospace", "color": "#222"},
                 hovertext=[hover_text(n) for n in part], hoverinfo="text",
                 marker=marker, name=style["label"], legendgroup=status,
                 showlegend=show_legend and not legend_done,
@@ -440,9 +449,14 @@ def token_legend_html() -> str:
     return f"<div class='tv-legend'>{spans}<span style='outline:2px solid #e74c3c'>selected iteration</span></div>"
 
 
-def badge_html(comparison: dict[str, Any] | None, strategy: str | None = None) -> str:
+def badge_html(comparison: dict[str, Any] | None, sampled: bool = False) -> str:
     if not comparison:
         return "<span class='tv-badge tv-na'>output vs AR: not compared</span>"
+    if sampled:
+        first = comparison.get("first_divergence")
+        where = "identical to AR's sample" if comparison.get("exact_match") else f"differs from AR from token {first}"
+        return ("<span class='tv-badge tv-na'>sampling: lossless in distribution, not token for token "
+                f"({html.escape(where)})</span>")
     if comparison.get("exact_match"):
         n = comparison.get("compared_tokens")
         return f"<span class='tv-badge tv-ok'>✓ output matches AR token for token ({n} tokens)</span>"
@@ -468,6 +482,8 @@ def metrics_rows(run: Any, ar_run: Any | None = None) -> dict[str, Any]:
     ar_tps = ((_get(ar_run, "metrics") or {}).get("tokens_per_s") if ar_run is not None else None)
     if ar_tps and row["tokens/s"]:
         row["speedup"] = row["tokens/s"] / ar_tps
+    elif (_get(run, "comparison") or {}).get("speedup_vs_ar"):
+        row["speedup"] = _get(run, "comparison")["speedup_vs_ar"]  # recorded with a replayed trace
     return row
 
 

@@ -20,6 +20,8 @@ PLAN = (
     ("code_dynatree", "code", "dynatree", None),
     ("chat_fixed", "chat", "fixed", None),
     ("prose_linear", "prose", "linear", None),
+    ("code_ddtree", "code", "ddtree", None),
+    ("chat_salf", "chat", "salf", None),
     ("code_dynatree", "code", "dynatree", "tiny-random-identical"),
 )
 
@@ -37,7 +39,7 @@ def run_one(backend: Backend, spec: RunSpec):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="tiny-random")
-    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-kb", type=int, default=300)
     parser.add_argument("--out", default=str(TRACE_DIR))
     args = parser.parse_args(argv)
@@ -46,7 +48,10 @@ def main(argv=None) -> None:
     examples = load_examples()
     backend = Backend()
     tiny = args.pair.startswith("tiny-random")
+    from engine.strategies import STRATEGIES
     for stem, kind, strategy, pair_override in PLAN:
+        if strategy not in STRATEGIES:
+            continue
         if pair_override and not tiny:
             continue  # the identical-draft demo only makes sense with the tiny pairs
         pair = pair_override or args.pair

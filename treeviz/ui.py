@@ -55,6 +55,10 @@ token. In float32 it does, bit for bit. In bf16/fp16 a verification pass over ma
 than a one-token step, so a near-tie between the target's top two tokens can flip: the badge then shows the first
 position where the output departs from AR and how close the tie was. With sampling, outputs are equal in
 distribution, not token for token.
+
+**Pairs.** `tiny-random` runs instantly (tiny random models: trees and text are nonsense, speedups meaningless — it
+is for play and tests). `default` is Qwen2.5-Coder 1.5B + 0.5B, offline; the first load converts the weights
+(about two minutes), later loads take seconds. Hub pairs need network access.
 """
 
 CSS = F.TEXT_CSS + """
@@ -104,6 +108,17 @@ def gallery_label(path: Path) -> str:
 def strategy_registry():
     from engine.strategies import STRATEGIES
     return STRATEGIES
+
+
+def verifier_names() -> list[str]:
+    try:
+        from engine.verify import VERIFIERS
+        return list(VERIFIERS)
+    except Exception:  # noqa: BLE001
+        return []
+
+
+FIXED_RUN_INPUTS = 11  # prompt, chat, pair, strategy, preset, max_new, temperature, top_p, top_k, seed, verifier
 
 
 def param_controls_spec():
@@ -177,7 +192,12 @@ def render_views(run, ar_run, index: int | None, stage_mode: str = "per iteratio
     div = comparison.get("first_divergence") if comparison and not comparison.get("exact_match") else None
     return (tree, F.tokens_html(run, selected=index, divergence=div), F.metrics_html(run, ar_run, index),
             F.charts_figure(run, selected=index, stage_mode=stage_mode), F.throughput_figure(run, ar_run),
-            F.badge_html(comparison))
+            F.badge_html(comparison, sampled=_sampled(run)))
+
+
+def _sampled(run) -> bool:
+    sampling = (_get(run, "config") or {}).get("sampling") or {}
+    return bool(sampling.get("temperature"))
 
 
 def save_trace(run) -> str | None:
@@ -220,28 +240,31 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
                 example = gr.Dropdown(example_labels, value=None, label="Example prompts (code, chat, prose)",
                                       elem_id="tv-example")
                 first = examples[0] if examples else None
-                prompt = gr.Textbox(label="Prompt", lines=5, max_lines=14, elem_id="tv-prompt",
+                prompt = gr.Textbox(label="Prompt", lines=4, max_lines=8, elem_id="tv-prompt",
                                     value=(first["prompt"] if first and isinstance(first["prompt"], str) else
                                            "def fibonacci(n):\n"))
                 chat = gr.Checkbox(value=False, label="send as a chat message (chat template)")
+                with gr.Row():
+                    run_btn = gr.Button("Run", variant="primary", elem_id="tv-run")
+                    stop_btn = gr.Button("Stop", variant="stop", elem_id="tv-stop")
+                    compare_btn = gr.Button("Compare", elem_id="tv-compare")
                 pair = gr.Dropdown(pairs, value=initial_pair, label="Model pair (target + draft)",
                                    allow_custom_value=True, elem_id="tv-pair",
                                    info="tiny-random plays instantly; hub pairs need network")
                 strategy = gr.Dropdown([(registry[s].label or s, s) for s in strategies], value=default_strategy,
                                        label="Tree strategy", elem_id="tv-strategy")
                 summary = gr.Markdown(registry[default_strategy].summary or "")
-                with gr.Row():
-                    run_btn = gr.Button("Run", variant="primary", elem_id="tv-run")
-                    stop_btn = gr.Button("Stop", variant="stop", elem_id="tv-stop")
-                    compare_btn = gr.Button("Compare", elem_id="tv-compare")
-                with gr.Accordion("Decoding", open=False):
-                    max_new = gr.Slider(1, 512, value=48, step=1, label="max new tokens", elem_id="tv-max-new")
+                max_new = gr.Slider(1, 512, value=48, step=1, label="max new tokens", elem_id="tv-max-new")
+                with gr.Accordion("Sampling", open=False):
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
                                             interactive=can_sample,
                                             info=None if can_sample else "this engine decodes greedily only")
                     top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p", interactive=can_sample)
                     top_k = gr.Slider(0, 200, value=0, step=1, label="top-k (0 = off)", interactive=can_sample)
                     seed = gr.Number(value=0, precision=0, label="seed", interactive=can_sample)
+                    verifier = gr.Dropdown(["auto"] + verifier_names(), value="auto", label="verification rule",
+                                           info="auto: greedy at temperature 0, else token matching / SpecInfer",
+                                           interactive=can_sample, elem_id="tv-verifier")
                 with gr.Accordion("Strategy parameters", open=True) as params_acc:
                     preset = gr.Dropdown(sorted(registry[default_strategy].presets) or ["cpu"], value="cpu",
                                          label="preset", info="cpu: tuned for a 2-core CPU; paper: the paper's values")
@@ -271,8 +294,10 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
                         groups.append(grp)
             # ---------------- right column: views ----------------
             with gr.Column(scale=3):
-                model_status = gr.HTML(_status_html("starting…"), elem_id="tv-model-status")
-                run_status = gr.HTML(_status_html("Pick a gallery trace or press Run."), elem_id="tv-run-status")
+                with gr.Row(equal_height=True):
+                    model_status = gr.HTML(_status_html("starting…"), elem_id="tv-model-status")
+                    run_status = gr.HTML(_status_html("Pick a gallery trace or press Run."),
+                                         elem_id="tv-run-status")
                 badge = gr.HTML(F.badge_html(None), elem_id="tv-badge")
                 tree_plot = gr.Plot(F.tree_figure(None), label="Draft tree", show_label=False, elem_id="tv-tree")
                 scrubber = gr.Slider(0, 1, value=0, step=1, label="iteration (drag to replay the run; no models needed)",
@@ -310,7 +335,7 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
 
         # ---------------- handlers ----------------
         def gather(prompt_v, chat_v, pair_v, strategy_v, preset_v, max_new_v, temp_v, top_p_v, top_k_v, seed_v,
-                   *param_values) -> RunSpec:
+                   verifier_v, *param_values) -> RunSpec:
             if not isinstance(prompt_v, str) or not prompt_v.strip():
                 raise gr.Error("The prompt is empty: type some text or pick an example prompt.")
             if strategy_v not in registry:
@@ -327,7 +352,8 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
                 return RunSpec(pair=str(pair_v or initial_pair), prompt=spec_prompt, strategy=strategy_v,
                                preset=preset_v or "cpu", params=params, max_new_tokens=int(max_new_v or 48),
                                temperature=float(temp_v or 0.0), top_p=float(top_p_v or 1.0),
-                               top_k=int(top_k_v or 0), seed=int(seed_v or 0))
+                               top_k=int(top_k_v or 0), seed=int(seed_v or 0),
+                               verifier=str(verifier_v or "auto"))
             except (TypeError, ValueError) as err:
                 raise gr.Error(f"Bad setting: {err}") from None
 
@@ -335,15 +361,17 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
             *inputs, stage_v = args
             spec = gather(*inputs)
             session = getattr(request, "session_hash", None) or "default"
-            log.info("run for session %s", session)
+            log.debug("run for session %s", session)
             job = backend.start(session, backend.decode_job, spec)
             records: list = []
             frame = None
             last_emit, dirty = 0.0, False
             started = time.time()
             skip = gr.skip()
-            yield (skip, skip, skip, _status_html(f"starting {spec.strategy} on {spec.pair}…"), skip,
-                   skip, skip, skip, skip, skip, skip)
+            # a fresh run: clear the previous run's views that would otherwise look current
+            yield (None, None, gr.update(value=0, maximum=1), _status_html(f"starting {spec.strategy} on {spec.pair}…"),
+                   None, skip, skip, "", F.charts_figure(None), F.throughput_figure(None, None),
+                   "<span class='tv-badge tv-na'>output vs AR: measured when the run ends</span>")
             try:
                 while True:
                     try:
@@ -368,6 +396,8 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
                                skip, skip, skip, skip, skip, skip)
                         return
                     elif kind == "cancelled":
+                        if job.superseded:
+                            return  # a newer run of this session took over the views: leave them to it
                         partial = _partial_run(records, spec) if records else None
                         n = len(records)
                         views = render_views(partial, None, n - 1 if n else None, stage_v)
@@ -402,12 +432,16 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
                 backend.finished(session, job)
 
         def on_stop(request: gr.Request):
+            # the run's own handler reports "stopped after N iterations" (no race on the status line)
             session = getattr(request, "session_hash", None) or "default"
-            log.info("stop for session %s", session)
-            stopped = backend.stop(session)
-            return _status_html("stopping…" if stopped else "nothing is running")
+            log.debug("stop for session %s", session)
+            if not backend.stop(session):
+                gr.Info("Nothing is running.")
+            return None
 
         def on_scrub(run, ar, index, stage_v):
+            if run is None:  # nothing to scrub yet (e.g. a run is streaming): leave the live views alone
+                return [gr.skip()] * len(view_outputs)
             return render_views(run, ar, index, stage_v)
 
         def on_stage(run, ar, index, stage_v):
@@ -531,7 +565,8 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
                         yield _status_html(event[1], error=True), gr.skip(), gr.skip()
                         return
                     elif kind == "cancelled":
-                        yield _status_html("comparison stopped"), gr.skip(), gr.skip()
+                        if not job.superseded:
+                            yield _status_html("comparison stopped"), gr.skip(), gr.skip()
                         return
                     elif kind == "done":
                         yield (_status_html(f"compared {len(rows)} methods on the same prompt"), _table(rows),
@@ -551,21 +586,24 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
             return round(v, 3) if isinstance(v, float) else ("–" if v is None else v)
 
         # ---------------- wiring ----------------
-        run_inputs = [prompt, chat, pair, strategy, preset, max_new, temperature, top_p, top_k, seed,
+        run_inputs = [prompt, chat, pair, strategy, preset, max_new, temperature, top_p, top_k, seed, verifier,
                       *param_components]
         run_event = run_btn.click(on_run, run_inputs + [stage_mode], run_outputs, concurrency_limit=None,
-                                  api_name="run")
+                                  api_name="run", show_progress="minimal")
+        # A new run of a session cancels that session's run in flight in the backend (Backend.start): its worker
+        # stops at the next iteration and its handler exits without touching the views. (Gradio's `cancels=` is
+        # not used for this: it races with a Run click that lands just before it and can kill the newer run.)
         prompt.submit(on_run, run_inputs + [stage_mode], run_outputs, concurrency_limit=None,
-                      cancels=[run_event], api_visibility="private")
-        # live tuning: releasing a slider (or ticking a box) re-runs, cancelling the run in flight
+                      api_visibility="private", show_progress="minimal")
+        # live tuning: releasing a slider (or ticking a box) re-runs with the new value
         live = [c for c in param_components + [max_new, temperature, top_p, top_k]]
         for comp in live:
             trigger = comp.release if isinstance(comp, gr.Slider) else (
                 comp.input if isinstance(comp, gr.Checkbox) else comp.submit)
-            trigger(on_run, run_inputs + [stage_mode], run_outputs, concurrency_limit=None, cancels=[run_event],
+            trigger(on_run, run_inputs + [stage_mode], run_outputs, concurrency_limit=None,
                     show_progress="hidden", api_visibility="private")
-        stop_btn.click(on_stop, None, run_status, api_name="stop", concurrency_limit=None)
-        scrubber.change(on_scrub, [run_state, ar_state, scrubber, stage_mode], view_outputs, show_progress="hidden",
+        stop_btn.click(on_stop, None, None, api_name="stop", concurrency_limit=None, queue=False)
+        scrubber.input(on_scrub, [run_state, ar_state, scrubber, stage_mode], view_outputs, show_progress="hidden",
                         api_name="scrub", concurrency_limit=None)
         stage_mode.change(on_stage, [run_state, ar_state, scrubber, stage_mode], charts, show_progress="hidden")
         strategy.change(on_strategy, strategy, [summary, preset] + groups)

@@ -6,7 +6,7 @@ Four mechanisms, each switchable to rerun the paper's ablation (Table 4):
 - dynamic depth: u is expandable iff d(u) < D_max and p(u) >= rho_stop and (d(u) < D0 or p(u) > rho_deep),
   p(u) being the cumulative draft probability of the root-to-u path (off: iff d(u) < D0);
 - pruning: children whose p falls below tau are not added; the node budget N_max is always strict (off: tau = 0);
-- history: after each iteration, the window mean of acceptance (accepted / drafted) against a* = 0.7 with a
+- history: after each iteration, the window mean of acceptance (accepted / drafted) against a* (0.7) with a
   +-0.1 dead band moves D0, tau_h and rho_deep one step toward more (above) or less (below) aggressive drafting.
 The tree grows level by level with one batched draft forward per level; within a level the most probable
 parents are served first so the budget goes where the draft is confident.
@@ -15,7 +15,7 @@ from collections import deque
 
 from engine.strategies.base import Param, Strategy, StrategyError
 
-TARGET_ACCEPTANCE, DEAD_BAND = 0.7, 0.1
+DEAD_BAND = 0.1
 
 
 class DynaTree(Strategy):
@@ -35,6 +35,8 @@ class DynaTree(Strategy):
         Param("tau", 0.05, 0.0, 1.0, 0.01, "tau (pruning)", "children with cumulative draft probability < tau are pruned"),
         Param("budget", 256, 1, 1024, 1, "N_max (node budget)", "maximum drafted nodes per iteration"),
         Param("window", 10, 1, 1000, 1, "W (history window)", "iterations averaged by history adaptation"),
+        Param("a_star", 0.7, 0.0, 1.0, 0.01, "a* (target acceptance)",
+              "history adaptation steers the window's acceptance (accepted / drafted) toward a*"),
         Param("dynamic_breadth", True, label="dynamic breadth"),
         Param("dynamic_depth", True, label="dynamic depth"),
         Param("pruning", True, label="probability pruning"),
@@ -101,11 +103,12 @@ class DynaTree(Strategy):
         self.recent.append(accepted / drafted)
         mean = sum(self.recent) / len(self.recent)
         s, d_max = self.state, self.config["d_max"]
-        if mean > TARGET_ACCEPTANCE + DEAD_BAND:
+        a_star = self.config["a_star"]
+        if mean > a_star + DEAD_BAND:
             s["d0"] = min(s["d0"] + 1, d_max - 1)
             s["tau_h"] = round(max(s["tau_h"] - 0.05, 0.5), 4)
             s["rho_deep"] = round(max(s["rho_deep"] - 0.05, 0.3), 4)
-        elif mean < TARGET_ACCEPTANCE - DEAD_BAND:
+        elif mean < a_star - DEAD_BAND:
             s["d0"] = max(s["d0"] - 1, 2)
             s["tau_h"] = round(min(s["tau_h"] + 0.05, 0.95), 4)
             s["rho_deep"] = round(min(s["rho_deep"] + 0.05, 0.8), 4)

@@ -1,12 +1,13 @@
 """Verification rules, one module each, all behind `engine.verify.base.Verifier`.
 
-greedy (temperature 0) | token_matching / nss | naive (chain), naive_tree | specinfer | spectr | block (chain) |
-traversal. `default_verifier` picks greedy at temperature 0, token matching for deterministic children and SpecInfer
+greedy (temperature 0) | token_matching / nss | naive (chain), naive_tree | specinfer | spectr | khisti |
+block (chain) | traversal. `default_verifier` picks greedy at temperature 0, token matching for deterministic children and SpecInfer
 for sampled ones.
 """
 from engine.verify.base import TargetDists, Verdict, VerificationError, Verifier
 from engine.verify.block import BlockVerification
 from engine.verify.greedy import Greedy
+from engine.verify.khisti import Khisti
 from engine.verify.naive import Naive, NaiveTree
 from engine.verify.nss import NSS, TokenMatching
 from engine.verify.specinfer import SpecInfer
@@ -14,7 +15,7 @@ from engine.verify.spectr import SpecTr
 from engine.verify.traversal import Traversal
 
 VERIFIERS: dict[str, type[Verifier]] = {cls.name: cls for cls in (
-    Greedy, TokenMatching, NSS, Naive, NaiveTree, SpecInfer, SpecTr, BlockVerification, Traversal)}
+    Greedy, TokenMatching, NSS, Naive, NaiveTree, SpecInfer, SpecTr, Khisti, BlockVerification, Traversal)}
 
 
 def make_verifier(name: str = "greedy") -> Verifier:

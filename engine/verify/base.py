@@ -58,13 +58,19 @@ def softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 # -- helpers shared by the rules ---------------------------------------------------------------------------------------
-def multiplicity(tree: DraftTree, node: int) -> int:
-    """How many draws at its parent produced `node` (duplicate i.i.d. draws merged into one node); 1 by default.
-    Read from `tree.extra["multiplicity"]` (a list or dict indexed by node) or a `tree.multiplicity` attribute."""
+def multiplicities(tree: DraftTree):
+    """Per-node draw counts when duplicate i.i.d. draws are merged into one node (a list or dict indexed by node, from
+    `tree.extra["multiplicity"]` or a `tree.multiplicity` attribute); None when every node is one draw."""
     table = getattr(tree, "multiplicity", None)
     if table is None:
         table = getattr(tree, "extra", {}).get("multiplicity")
-    if not table:
+    return table or None
+
+
+def multiplicity(tree: DraftTree, node: int, table=False) -> int:
+    """How many draws at its parent produced `node`; 1 by default."""
+    table = multiplicities(tree) if table is False else table
+    if table is None:
         return 1
     if isinstance(table, dict):
         return int(table.get(node, 1))
@@ -73,9 +79,12 @@ def multiplicity(tree: DraftTree, node: int) -> int:
 
 def draw_list(tree: DraftTree, node: int) -> list[int]:
     """The children of `node` in draw order, a merged duplicate repeated as often as it was drawn."""
+    table = multiplicities(tree)
+    if table is None:
+        return list(tree.children[node])
     out = []
     for child in tree.children[node]:
-        out += [child] * multiplicity(tree, child)
+        out += [child] * multiplicity(tree, child, table)
     return out
 
 

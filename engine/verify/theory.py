@@ -2,8 +2,10 @@
 
 alpha(p, q, k) = P(the token a rule emits at a node is one of its k i.i.d. draft children X_1..X_k ~ q): the chance the
 walk goes one level deeper. It depends only on p, q and k, not on the drawn children. Inputs are probability vectors
-(torch or numpy) over the same vocabulary; the formulas use only arithmetic, `.clip` and `.sum`.
+(torch or numpy) over the same vocabulary; the formulas use only arithmetic, `.clip` and `.sum`. Khisti has no
+efficient exact formula (Appendix C): `khisti_acceptance_lower_bound` gives Algorithm 10's bound for our selection.
 """
+from engine.verify.khisti import selection_law
 from engine.verify.spectr import division_factor, overlap
 
 
@@ -49,6 +51,14 @@ def specinfer_acceptance(p, q, k: int) -> float:
     return float((1 - p_rej) + p_rej * (p * (1 - m)).sum())
 
 
+def khisti_acceptance_lower_bound(p, q, k: int) -> float:
+    """sum min(p, r), r the law of the selected draft token (Algorithm 10): the residual landing on another child
+    is left out, which is why this is a lower bound."""
+    r = selection_law(p, q, k)
+    r = q if r is None else r
+    return float((p - _pos(p - r)).sum())
+
+
 ACCEPTANCE = {
     "nss": nss_acceptance,
     "token_matching": nss_acceptance,
@@ -56,3 +66,5 @@ ACCEPTANCE = {
     "spectr": spectr_acceptance,
     "specinfer": specinfer_acceptance,
 }
+
+LOWER_BOUNDS = {"khisti": khisti_acceptance_lower_bound}

@@ -15,7 +15,8 @@ updated state accepts with (a - m) / (1 - m), emitting from max(a p_u - q, 0) / 
 The two add up to a p_u(t); rejection is left with (1 - m)(1 - a') = 1 - a. The later draws only see the updated
 state, whatever its q, so any number of draws (i.i.d. or without replacement; a deterministic child is a draw from
 the point mass on its token) keeps the invariant. At the root a = 1: the output follows the target.
-On a chain this is exactly block verification (`block.py`).
+On a chain this is exactly block verification (`block.py`). (The update rule is reconstructed from the descriptions
+of Weng et al. and of the delayed-tree paper and proven as above; tests check it against block verification.)
 
 Merged duplicates (i.i.d. paths sharing a node, with multiplicities, as the delayed strategy stores them) are first
 split back into one node per draw: the draws at a node are dealt, in a uniformly random order, to the copies of the
@@ -23,8 +24,8 @@ node, the same number to each copy. Given the multiset of i.i.d. draws every ord
 is distributed as if the copies had been drawn separately. Trees whose copies cannot hold equal shares are refused.
 """
 from engine.tree import DraftTree
-from engine.verify.base import (MODES, Verdict, Verifier, VerificationError, child_draws, draw_list, multiplicity,
-                                residual)
+from engine.verify.base import (MODES, Verdict, Verifier, VerificationError, child_draws, draw_list, multiplicities,
+                                multiplicity, residual)
 
 
 class Traversal(Verifier):
@@ -33,8 +34,8 @@ class Traversal(Verifier):
     child_modes = MODES
 
     def walk(self, tree, p, rng) -> Verdict:
-        real = None
-        if any(multiplicity(tree, node) > 1 for node in range(1, len(tree))):
+        real, table = None, multiplicities(tree)
+        if table is not None and any(multiplicity(tree, node, table) > 1 for node in range(1, len(tree))):
             tree, real = split_duplicates(tree, rng)
             p = _Relabel(p, real)
         verdict = self._walk(tree, p, rng)

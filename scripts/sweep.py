@@ -1,0 +1,58 @@
+"""Small parameter sweep for one strategy: throughput relative to AR on a few prompts of each set.
+
+    python scripts/sweep.py --pair default --dtype fp32 --strategy dynatree --grid budget=12,24 d_max=6,8 \
+        --limit 1 --max-new-tokens 64
+
+Used to choose the "cpu" presets; prints one line per configuration (speedup, L-bar, draft forwards).
+"""
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.bench import run_method  # noqa: E402
+from engine.models import PAIRS, load_pair  # noqa: E402
+from engine.prompts import PROMPT_SETS, load_prompt_set  # noqa: E402
+
+
+def parse_grid(items):
+    grid = {}
+    for item in items:
+        key, values = item.split("=", 1)
+        grid[key] = [v for v in values.split(",")]
+    return grid
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pair", default="default", choices=list(PAIRS))
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--strategy", required=True)
+    ap.add_argument("--preset", default="cpu")
+    ap.add_argument("--grid", nargs="*", default=[])
+    ap.add_argument("--sets", default=",".join(PROMPT_SETS))
+    ap.add_argument("--limit", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+
+    pair = load_pair(*PAIRS[args.pair], dtype=args.dtype)
+    prompts = [(s, e["prompt"]) for s in args.sets.split(",") for e in load_prompt_set(s)[: args.limit]]
+    run_method(pair, "ar", prompts[0][1], 4)  # warm-up
+    ar = {i: run_method(pair, "ar", p, args.max_new_tokens) for i, (_, p) in enumerate(prompts)}
+    grid = parse_grid(args.grid)
+    for values in itertools.product(*grid.values()) if grid else [()]:
+        params = dict(zip(grid, values))
+        line = []
+        for i, (set_name, prompt) in enumerate(prompts):
+            out = run_method(pair, args.strategy, prompt, args.max_new_tokens, args.preset, {args.strategy: params})
+            m = out["result"].metrics
+            speedup = (out["new_tokens"] / out["total_s"]) / (ar[i]["new_tokens"] / ar[i]["total_s"])
+            line.append(f"{set_name}: {speedup:4.2f}x L={m['mean_tokens_per_iter']:.2f} "
+                        f"fwd={m['mean_draft_forwards']:.1f} n={m['mean_drafted']:.0f}")
+        print(f"{args.strategy} {params}  " + " | ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
