@@ -16,8 +16,10 @@ from engine.drafter import synchronize
 from engine.metrics import compare_outputs
 from engine.models import ModelPair
 from engine.prompts import load_prompt_set
+from engine.sampling import Sampling
 from engine.strategies import make_strategy
 from engine.trace import RunResult
+from engine.verify import make_verifier
 
 HF_ASSISTED = "hf-assisted"
 
@@ -39,24 +41,30 @@ def hf_assisted(pair: ModelPair, prompt, max_new_tokens: int, stop_on_eos: bool 
 
 
 def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset: str = "cpu",
-               params: dict | None = None) -> dict[str, Any]:
+               params: dict | None = None, sampling: Sampling | None = None,
+               verifier: str | None = None) -> dict[str, Any]:
+    sampling = sampling or Sampling()
     if method == HF_ASSISTED:
+        if not sampling.greedy:
+            raise ValueError("the hf-assisted baseline is benchmarked greedily only; drop it or use --temperature 0")
         return hf_assisted(pair, prompt, max_new_tokens)
     strategy = make_strategy(method, preset, **(params or {}).get(method, {}))
-    result = Decoder(pair, strategy).generate(prompt, max_new_tokens=max_new_tokens)
+    rule = make_verifier(verifier) if verifier and method != "ar" else None
+    result = Decoder(pair, strategy, rule, sampling).generate(prompt, max_new_tokens=max_new_tokens)
     return {"output_ids": result.output_ids, "new_tokens": len(result.output_ids),
             "total_s": result.metrics["total_s"], "result": result}
 
 
 def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_tokens: int = 96,
           repeats: int = 1, limit: int | None = None, preset: str = "cpu", params: dict | None = None,
-          log: Callable[[str], None] = print) -> dict[str, Any]:
+          log: Callable[[str], None] = print, sampling: Sampling | None = None,
+          verifier: str | None = None) -> dict[str, Any]:
     methods = ["ar"] + [m for m in methods if m != "ar"]  # AR first: every speedup divides by it
     sets = ["code", "chat", "prose"] if prompt_set == "all" else [prompt_set]
     # Warm-up, excluded: first calls pay for allocator growth and kernel selection.
     warm = load_prompt_set(sets[0])[0]["prompt"]
     for method in methods:
-        run_method(pair, method, warm, 8, preset, params)
+        run_method(pair, method, warm, 8, preset, params, sampling, verifier)
 
     rows = []
     for set_name in sets:
@@ -66,7 +74,8 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
             reference = None
             for method in methods:
                 for _ in range(repeats):
-                    out = run_method(pair, method, entry["prompt"], max_new_tokens, preset, params)
+                    out = run_method(pair, method, entry["prompt"], max_new_tokens, preset, params, sampling,
+                                     verifier)
                     if method == "ar" and reference is None:
                         reference = out["output_ids"]
                     out["exact"] = out["output_ids"] == reference
@@ -79,6 +88,7 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
     return {"config": {"target": pair.target_name, "draft": pair.draft_name, "device": str(pair.device),
                        "dtype": str(pair.dtype).removeprefix("torch."), "max_new_tokens": max_new_tokens,
                        "repeats": repeats, "preset": preset, "prompt_set": prompt_set, "limit": limit,
+                       "sampling": (sampling or Sampling()).as_dict(), "verifier": verifier,
                        "threads": torch.get_num_threads()},
             "rows": rows}
 

@@ -20,6 +20,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="cpu", help="strategy parameter preset: cpu (default) | paper")
 
 
+SAMPLING_FLAGS = {"temperature", "top_k", "top_p", "seed", "verifier"}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (temperature 0 = greedy, exact)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--verifier", default=None, help="verification rule (default: greedy at T=0, token_matching for "
+                                                    "top-k trees, specinfer for sampled trees)")
+
+
+def _sampling(args):
+    from engine.sampling import Sampling
+    return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
 def _add_strategy_params(p: argparse.ArgumentParser) -> None:
     """One flag per strategy parameter, collected from every strategy's declaration."""
     group = p.add_argument_group("strategy options (each applies to the strategies that declare it)")
@@ -31,6 +49,8 @@ def _add_strategy_params(p: argparse.ArgumentParser) -> None:
                 continue
             seen[param.name] = [cls.name]
             flag = "--" + param.name.replace("_", "-")
+            if param.name in SAMPLING_FLAGS:  # e.g. delayed's own draft temperature: --delayed-temperature
+                flag = f"--{cls.name}-{param.name.replace('_', '-')}"
             if param.kind is bool:
                 group.add_argument(flag, dest=f"param_{param.name}", action=argparse.BooleanOptionalAction,
                                    default=None, help=param.help or param.label)
@@ -40,6 +60,8 @@ def _add_strategy_params(p: argparse.ArgumentParser) -> None:
 
 
 def _strategy_params(args, strategy: str, strict: bool = True) -> dict:
+    if strategy not in STRATEGIES:
+        raise StrategyError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     given = {k.removeprefix("param_"): v for k, v in vars(args).items() if k.startswith("param_") and v is not None}
     declared = {p.name for p in STRATEGIES[strategy].params}
     unknown = sorted(set(given) - declared)
@@ -83,9 +105,12 @@ def cmd_generate(args) -> int:
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     strategy = make_strategy(args.strategy, args.preset, **_strategy_params(args, args.strategy))
+    from engine.verify import make_verifier
+    sampling = _sampling(args)
+    verifier = make_verifier(args.verifier) if args.verifier else None
     pair = _load(args)
     stop = {"stop_on_eos": not args.no_eos, "stop_strings": tuple(args.stop or ())}
-    run = Decoder(pair, strategy).run(prompt, max_new_tokens=args.max_new_tokens, **stop)
+    run = Decoder(pair, strategy, verifier, sampling).run(prompt, max_new_tokens=args.max_new_tokens, **stop)
     for record in run:
         if args.verbose:
             print(f"iter {record.index:4d}  drafted {record.drafted:4d}  accepted {record.accepted:3d}  "
@@ -126,7 +151,8 @@ def cmd_bench(args) -> int:
     params = {m: _strategy_params(args, m, strict=False) for m in methods if m in STRATEGIES}
     pair = _load(args)
     report = bench(pair, methods, args.prompt_set, args.max_new_tokens, args.repeats, args.limit, args.preset,
-                   params, log=lambda s: print(s, file=sys.stderr, flush=True))
+                   params, log=lambda s: print(s, file=sys.stderr, flush=True), sampling=_sampling(args),
+                   verifier=args.verifier)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -150,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-ar", action="store_true", help="also run AR on the prompt: speedup and exact match")
     g.add_argument("--json", help="write the run (metrics + per-iteration records) to this file")
     g.add_argument("-v", "--verbose", action="store_true", help="print one line per iteration")
+    _add_sampling_args(g)
     _add_strategy_params(g)
     g.set_defaults(func=cmd_generate)
 
@@ -162,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
     b.add_argument("--json", help="write the report to this file")
+    _add_sampling_args(b)
     _add_strategy_params(b)
     b.set_defaults(func=cmd_bench)
     return parser
@@ -171,6 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (StrategyError, ValueError, OSError) as err:
+    except (ValueError, OSError) as err:  # StrategyError, ModelLoadError, SamplingError, ... are ValueErrors
         print(f"error: {err}", file=sys.stderr)
         return 2

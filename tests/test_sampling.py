@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from chisq import chi_square_pvalue
 from engine.decoder import Decoder
 from engine.sampling import Sampling, SamplingError
 from engine.strategies import STRATEGIES, make_strategy
@@ -103,18 +104,6 @@ def target_joint(pair) -> np.ndarray:
     return joint.reshape(-1)
 
 
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    if counts[probs == 0].sum() > 0:
-        return 0.0  # a token sequence the target can never produce
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 # Small trees keep a 2-token run cheap; strategies not listed run with their defaults.
