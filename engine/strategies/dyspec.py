@@ -49,7 +49,7 @@ class DySpec(Strategy):
     )
     presets = {
         # On a CPU every draft forward counts: the paper's practical layer-by-layer version.
-        "cpu": {"budget": 24, "max_depth": 6, "threshold_variant": True, "threshold": 0.02, "dfs_order": False},
+        "cpu": {"budget": 8, "max_depth": 6, "threshold_variant": True, "threshold": 0.02, "dfs_order": False},
         # The paper's trees hold 64 nodes (768 with threshold 0.001 under CPU offloading); it states no depth limit.
         "paper": {"budget": 64, "max_depth": 32, "threshold_variant": False, "threshold": 0.001, "dfs_order": False},
     }

@@ -21,7 +21,7 @@ class Eagle2(Strategy):
         Param("depth", 4, 1, 32, 1, "depth", "tree depth = draft forwards per iteration"),
     )
     presets = {
-        "cpu": {"n": 24, "k": 4, "depth": 4},
+        "cpu": {"n": 8, "k": 2, "depth": 3},
         "paper": {"n": 60, "k": 10, "depth": 7},
     }
 
