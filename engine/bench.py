@@ -59,6 +59,7 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
           repeats: int = 1, limit: int | None = None, preset: str = "cpu", params: dict | None = None,
           log: Callable[[str], None] = print, sampling: Sampling | None = None,
           verifier: str | None = None) -> dict[str, Any]:
+    sampling = sampling or Sampling()
     methods = ["ar"] + [m for m in methods if m != "ar"]  # AR first: every speedup divides by it
     sets = ["code", "chat", "prose"] if prompt_set == "all" else [prompt_set]
     # Warm-up, excluded: first calls pay for allocator growth and kernel selection.
@@ -88,7 +89,7 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
     return {"config": {"target": pair.target_name, "draft": pair.draft_name, "device": str(pair.device),
                        "dtype": str(pair.dtype).removeprefix("torch."), "max_new_tokens": max_new_tokens,
                        "repeats": repeats, "preset": preset, "prompt_set": prompt_set, "limit": limit,
-                       "sampling": (sampling or Sampling()).as_dict(), "verifier": verifier,
+                       "sampling": sampling.as_dict(), "verifier": verifier,
                        "threads": torch.get_num_threads()},
             "rows": rows}
 

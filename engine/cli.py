@@ -6,7 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+from engine.sampling import Sampling
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
+from engine.verify import make_verifier
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -34,7 +36,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args):
-    from engine.sampling import Sampling
     return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
@@ -105,7 +106,6 @@ def cmd_generate(args) -> int:
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     strategy = make_strategy(args.strategy, args.preset, **_strategy_params(args, args.strategy))
-    from engine.verify import make_verifier
     sampling = _sampling(args)
     verifier = make_verifier(args.verifier) if args.verifier else None
     pair = _load(args)
