@@ -19,6 +19,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (default auto)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+    p.add_argument("--packed-weights", default="auto", choices=("auto", "on", "off"),
+                   help="pre-packed CPU weights for multi-row forwards (tree verification); auto = when memory allows")
     p.add_argument("--preset", default="cpu", help="strategy parameter preset: cpu (default) | paper")
 
 
@@ -89,7 +91,7 @@ def _load(args):
         print(f"[{fraction * 100:5.1f}%] {message}", file=sys.stderr, flush=True)
 
     pair = load_pair(target, draft, dtype=args.dtype, device=args.device,
-                     trust_remote_code=args.trust_remote_code, progress=progress)
+                     trust_remote_code=args.trust_remote_code, packed=args.packed_weights, progress=progress)
     print(pair.describe(), file=sys.stderr)
     return pair
 

@@ -52,6 +52,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from engine.kernels import PackingError, pack_linears, packed_dtype, should_pack
+
 log = logging.getLogger(__name__)
 
 Progress = Callable[[float, str], None]
@@ -144,13 +146,15 @@ class ModelPair:
     dtype: torch.dtype
     target_name: str
     draft_name: str
+    packed: bool = False  # multi-row forwards use pre-packed oneDNN weights (engine/kernels.py)
 
     def describe(self) -> str:
         attn = getattr(self.target.config, "_attn_implementation", "?")
         draft = self.draft_name if self.draft is not None else "none (autoregressive only)"
         dtype = str(self.dtype).removeprefix("torch.")
+        packed = " | packed weights" if self.packed else ""
         return (f"target: {self.target_name} | draft: {draft} | device: {self.device} | dtype: {dtype} | "
-                f"attention: {attn}")
+                f"attention: {attn}{packed}")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -395,8 +399,10 @@ def _tiny_name(kind: str | None, seed: int, num_layers: int) -> str:
 
 
 def tiny_random_pair(draft_kind: str | None = "related", seed: int = 0, dtype: torch.dtype | str = torch.float32,
-                     device: torch.device | str = "cpu", num_layers: int = 2) -> ModelPair:
-    """Tiny target + draft in memory (milliseconds). draft_kind: related, identical, unrelated, or None (AR only)."""
+                     device: torch.device | str = "cpu", num_layers: int = 2, packed: bool = False) -> ModelPair:
+    """Tiny target + draft in memory (milliseconds). draft_kind: related, identical, unrelated, or None (AR only).
+
+    packed=True gives both models pre-packed CPU weights (engine/kernels.py), to test that path cheaply."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     tokenizer = tiny_tokenizer()
@@ -405,8 +411,12 @@ def tiny_random_pair(draft_kind: str | None = "related", seed: int = 0, dtype: t
     target = target.to(device=device, dtype=dtype)
     if draft is not None:
         draft = draft.to(device=device, dtype=dtype)
+    if packed:
+        for model in (target, draft):
+            if model is not None:
+                pack_linears(model)
     return ModelPair(target, draft, tokenizer, device, dtype, _tiny_name(None, seed, num_layers),
-                     _tiny_name(draft_kind, seed, num_layers) if draft is not None else "none")
+                     _tiny_name(draft_kind, seed, num_layers) if draft is not None else "none", packed=packed)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -804,8 +814,12 @@ PAIRS: dict[str, tuple[str, str]] = {
 
 def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "auto",
               device: torch.device | str = "auto", trust_remote_code: bool = False,
-              progress: Progress | None = None) -> ModelPair:
-    """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly."""
+              packed: str = "auto", progress: Progress | None = None) -> ModelPair:
+    """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
+
+    packed: "auto" | "on" | "off" -- give multi-row CPU forwards pre-packed weights (engine/kernels.py); "auto"
+    does it on CPU in fp32 (or bf16 with native bf16) when the extra copy of the weights fits in free memory.
+    """
     t0 = time.perf_counter()
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -822,6 +836,15 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
                                             progress=_span(progress, split, 1.0), role="draft", tokenizer=t_tok)
         check_rollbackable(d_model.config, d_name)
         check_same_vocab(t_model, t_tok, t_name, d_model, d_tok, d_name)
-    pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name)
+    models = [m for m in (t_model, d_model) if m is not None]
+    try:
+        pack, why = should_pack(packed, models, device, dtype, native_bf16=_cpu_has_fast_bf16())
+    except PackingError as err:
+        raise ModelLoadError(str(err)) from None
+    if pack:
+        _say(progress, 0.99, f"packing weights: {why}")
+        for m in models:
+            pack_linears(m, packed_dtype(dtype, _cpu_has_fast_bf16()))
+    pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, packed=pack)
     _say(progress, 1.0, f"ready in {time.perf_counter() - t0:.1f} s: {pair.describe()}")
     return pair

@@ -114,10 +114,10 @@ SMALL = {"linear": {"k": 2}, "fixed": {"depth": 2, "branch": 2}, "dynatree": {"b
 RUNS = 200
 
 
-def first_two_counts(pair, name, rule, runs=RUNS) -> np.ndarray:
+def first_two_counts(pair, name, rule, runs=RUNS, extra=None) -> np.ndarray:
     counts = np.zeros(V * V, dtype=np.int64)
     for seed in range(runs):
-        params = dict(SMALL.get(name, {}))
+        params = {**SMALL.get(name, {}), **(extra or {})}
         if any(p.name == "seed" for p in STRATEGIES[name].params):
             params["seed"] = seed  # a strategy with its own draft sampler: fresh draws every run
         verifier = rule() if isinstance(rule, type) else (make_verifier(rule) if rule else None)
@@ -160,6 +160,13 @@ if "delayed" in STRATEGIES:
 def test_first_two_tokens_follow_the_target(small_pair, name, rule):
     pvalue = chi_square_pvalue(first_two_counts(small_pair, name, rule), target_joint(small_pair))
     assert pvalue > ALPHA, f"{name} with {rule or 'its default rule'}: chi-square p = {pvalue:.2g}"
+
+
+@pytest.mark.parametrize("rule", ["specinfer", "naive_tree", "traversal"])
+def test_branches_drawn_without_replacement_follow_the_target(small_pair, rule):
+    counts = first_two_counts(small_pair, "delayed", rule, extra={"k": 3, "without_replacement": True})
+    pvalue = chi_square_pvalue(counts, target_joint(small_pair))
+    assert pvalue > ALPHA, f"delayed without replacement with {rule}: chi-square p = {pvalue:.2g}"
 
 
 class AcceptFirstChild(TopDown):

@@ -16,7 +16,9 @@ from engine.models import tiny_random_pair
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
 from engine.strategies.ddtree import best_first_prefixes
 from engine.strategies.dyspec import dfs_order
+from engine.trace import BONUS, ROOT
 from engine.tree import DraftTree
+from engine.verify import VerificationError, make_verifier
 
 PAPER = ["dyspec", "salf", "eagle2", "ddtree", "delayed"]
 PROMPTS = ["hello world", "def f(x):\n    return", "The quick brown fox jumps over"]
@@ -30,6 +32,7 @@ CONFIGS = [  # (name, params): every code path of every strategy
     ("ddtree", {}),
     ("delayed", {}),
     ("delayed", {"greedy_trunk": True, "temperature": 0.5, "l1": 1, "l2": 3, "k": 4}),
+    ("delayed", {"without_replacement": True, "k": 4}),
 ]
 
 
@@ -388,6 +391,22 @@ def test_delayed_tree_shape_multiplicity_and_seed():
     assert again.tokens == first.tokens and any(t != first.tokens for t in other)
     greedy = fake_build("delayed", k=2, l1=3, l2=1, greedy_trunk=True)[1]
     assert [greedy.ranks[v] for v in range(1, 4)] == [0, 0, 0] and greedy.child_mode[0] == "topk"
+
+
+def test_delayed_without_replacement_draws_distinct_siblings(pairs):
+    strategy = make_strategy("delayed", k=4, l1=1, l2=2, without_replacement=True)
+    assert strategy.child_mode == "without_replacement"
+    assert make_strategy("delayed").child_mode == "iid"
+    with pytest.raises(VerificationError, match="without_replacement"):
+        make_verifier("spectr").check_strategy(strategy)  # SpecTr's K-SEQ needs i.i.d. children
+    result = Decoder(pairs["related0"], strategy).generate("hello world", max_new_tokens=30, stop_on_eos=False)
+    for it in result.iterations:
+        by_parent = {}
+        for n in it.nodes:
+            if n.status not in (ROOT, BONUS):
+                by_parent.setdefault(n.parent, []).append(n.token)
+        assert all(len(tokens) == len(set(tokens)) for tokens in by_parent.values())
+        assert max(len(t) for t in by_parent.values()) > 1  # the branching point really branches
 
 
 def test_delayed_samples_at_the_draft_temperature():

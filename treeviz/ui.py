@@ -118,6 +118,16 @@ def verifier_names() -> list[str]:
         return []
 
 
+def verifier_choices(strategy_name: str) -> list[str]:
+    """"auto" plus the rules that can check this strategy's trees (its default child-drawing mode)."""
+    try:
+        from engine.strategies import make_strategy
+        from engine.verify import compatible_verifiers
+        return ["auto"] + compatible_verifiers(make_strategy(strategy_name))
+    except Exception:  # noqa: BLE001
+        return ["auto"] + verifier_names()
+
+
 FIXED_RUN_INPUTS = 11  # prompt, chat, pair, strategy, preset, max_new, temperature, top_p, top_k, seed, verifier
 
 
@@ -262,7 +272,8 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
                     top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p", interactive=can_sample)
                     top_k = gr.Slider(0, 200, value=0, step=1, label="top-k (0 = off)", interactive=can_sample)
                     seed = gr.Number(value=0, precision=0, label="seed", interactive=can_sample)
-                    verifier = gr.Dropdown(["auto"] + verifier_names(), value="auto", label="verification rule",
+                    verifier = gr.Dropdown(verifier_choices(default_strategy), value="auto",
+                                           label="verification rule",
                                            info="auto: greedy at temperature 0, else token matching / SpecInfer",
                                            interactive=can_sample, elem_id="tv-verifier")
                 with gr.Accordion("Strategy parameters", open=True) as params_acc:
@@ -449,13 +460,15 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
             sel = int(index) if its else None
             return F.charts_figure(run, selected=sel, stage_mode=stage_v)
 
-        def on_strategy(name):
+        def on_strategy(name, verifier_v):
             cls = registry.get(name)
             if cls is None:
-                return [gr.skip()] * (2 + len(groups))
+                return [gr.skip()] * (3 + len(groups))
             presets = sorted(cls.presets) or ["cpu"]
+            rules = verifier_choices(name)  # only rules that can check this strategy's trees are offered
             return ([gr.update(value=cls.summary or ""),
-                     gr.update(choices=presets, value="cpu" if "cpu" in presets else presets[0])] +
+                     gr.update(choices=presets, value="cpu" if "cpu" in presets else presets[0]),
+                     gr.update(choices=rules, value=verifier_v if verifier_v in rules else "auto")] +
                     [gr.update(visible=(s == name)) for s in strategies])
 
         def on_preset(name, preset_v):
@@ -606,7 +619,7 @@ def build_demo(initial_pair: str = "default", backend: Backend | None = None, lo
         scrubber.input(on_scrub, [run_state, ar_state, scrubber, stage_mode], view_outputs, show_progress="hidden",
                         api_name="scrub", concurrency_limit=None)
         stage_mode.change(on_stage, [run_state, ar_state, scrubber, stage_mode], charts, show_progress="hidden")
-        strategy.change(on_strategy, strategy, [summary, preset] + groups)
+        strategy.change(on_strategy, [strategy, verifier], [summary, preset, verifier] + groups)
         preset.input(on_preset, [strategy, preset], param_components)
         example.input(on_example, example, [prompt, chat])
         upload.upload(on_upload, [upload, stage_mode], run_outputs, api_name="upload")

@@ -9,6 +9,9 @@ tree.extra["multiplicity"][node] counts the draws at its parent that produced it
 verifiers (SpecInfer-style) need the duplicates. Sampled nodes record child_mode "iid" and the exact distribution
 they drew from in child_dist. Draws use the run's sampling generator when the decoder gives the drafter one
 (temperature > 0), else the strategy's own, seeded with `seed` at every reset: runs repeat either way.
+With `without_replacement` the K branch tokens at a node are distinct instead: the i-th is drawn from q with the
+earlier siblings' tokens removed and renormalised (child mode "without_replacement", for SpecInfer's
+without-replacement variant; rules that need i.i.d. children refuse it).
 The paper picks (K, L1, L2) per iteration with a neural selector; here they are fixed parameters.
 """
 import torch
@@ -20,7 +23,7 @@ class Delayed(Strategy):
     name = "delayed"
     label = "Delayed tree expansion"
     summary = "A trunk of L1 draft tokens, then K i.i.d. sampled draft paths of L2 tokens from its end."
-    child_mode = "iid"
+    child_mode = "iid"  # per instance: "without_replacement" when that option is on
     params = (
         Param("k", 3, 1, 16, 1, "K (branches)", "i.i.d. paths drawn at the branching point"),
         Param("l1", 2, 0, 32, 1, "L1 (trunk length)", "draft tokens before the branching point"),
@@ -29,6 +32,8 @@ class Delayed(Strategy):
         Param("greedy_trunk", False, label="greedy trunk",
               help="take the draft's argmax on the trunk instead of sampling"),
         Param("seed", 0, 0, 2**31 - 1, 1, "seed", "draft sampler seed when decoding greedily (else the run's seed)"),
+        Param("without_replacement", False, label="draw without replacement",
+              help="branch tokens at a node are distinct: each drawn with the earlier siblings removed"),
     )
     presets = {
         "cpu": {"k": 3, "l1": 2, "l2": 2, "temperature": 1.0, "greedy_trunk": False},
@@ -40,12 +45,15 @@ class Delayed(Strategy):
         c = self.config
         if c["l1"] + c["l2"] == 0:
             raise StrategyError("L1 + L2 must be at least 1: a (K, 0, 0) tree drafts nothing (use the 'ar' strategy)")
+        self.child_mode = "without_replacement" if c["without_replacement"] else "iid"
+        self.chain = c["k"] == 1  # one path: chain rules (Naive, Block) can check it
 
     def reset(self) -> None:
         self.generator = None  # created on the draft's device at the first draw
 
     def _draw(self, drafter, dist: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
-        """The distribution actually drawn from, and `count` i.i.d. tokens from it."""
+        """The distribution actually drawn from, and `count` tokens from it: i.i.d., or without replacement (in draw
+        order, fewer if q has fewer tokens with nonzero mass)."""
         t = self.config["temperature"]
         if t != 1.0:
             dist = torch.softmax(dist.log() / t, dim=-1)  # in log space: q^(1/T) underflows for small T
@@ -54,6 +62,9 @@ class Delayed(Strategy):
             if self.generator is None or self.generator.device != dist.device:
                 self.generator = torch.Generator(device=dist.device).manual_seed(self.config["seed"])
             generator = self.generator
+        if self.config["without_replacement"]:
+            count = min(count, int((dist > 0).sum()))
+            return dist, torch.multinomial(dist, count, replacement=False, generator=generator).tolist()
         return dist, torch.multinomial(dist, count, replacement=True, generator=generator).tolist()
 
     def build(self, drafter, tree) -> None:
@@ -79,7 +90,7 @@ class Delayed(Strategy):
                 token = int(dist.argmax())
             else:
                 dist, (token,) = self._draw(drafter, dist, 1)
-                tree.child_dist[node], tree.child_mode[node] = dist, "iid"
+                tree.child_dist[node], tree.child_mode[node] = dist, self.child_mode
             node = add(node, dist, token)
 
         ends = {node: c["k"]}  # path end -> number of paths through it
@@ -89,7 +100,7 @@ class Delayed(Strategy):
             next_ends: dict[int, int] = {}
             for node, dist in zip(nodes, dists):
                 dist, draws = self._draw(drafter, dist, ends[node])
-                tree.child_dist[node], tree.child_mode[node] = dist, "iid"
+                tree.child_dist[node], tree.child_mode[node] = dist, self.child_mode
                 for token in draws:
                     child = add(node, dist, token)
                     next_ends[child] = next_ends.get(child, 0) + 1

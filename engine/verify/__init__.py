@@ -24,6 +24,18 @@ def make_verifier(name: str = "greedy") -> Verifier:
     return VERIFIERS[name]()
 
 
+def compatible_verifiers(strategy) -> list[str]:
+    """Names of the rules that can check this strategy's trees losslessly (child-drawing mode, chain or tree)."""
+    names = []
+    for name, cls in VERIFIERS.items():
+        try:
+            cls().check_strategy(strategy)
+        except VerificationError:
+            continue
+        names.append(name)
+    return names
+
+
 def default_verifier(child_mode: str, greedy: bool) -> Verifier:
     """greedy at temperature 0; token matching for deterministic (top-k) children; SpecInfer for sampled ones."""
     if greedy:
@@ -31,5 +43,5 @@ def default_verifier(child_mode: str, greedy: bool) -> Verifier:
     return TokenMatching() if child_mode == "topk" else SpecInfer()
 
 
-__all__ = ["VERIFIERS", "TargetDists", "Verdict", "VerificationError", "Verifier", "default_verifier",
-           "make_verifier"]
+__all__ = ["VERIFIERS", "TargetDists", "Verdict", "VerificationError", "Verifier", "compatible_verifiers",
+           "default_verifier", "make_verifier"]
