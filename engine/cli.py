@@ -41,6 +41,32 @@ def _sampling(args):
     return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
+def param_flag(strategy_name: str, param) -> str:
+    """The command-line flag of a strategy parameter (prefixed where it would collide with a sampling flag)."""
+    flag = "--" + param.name.replace("_", "-")
+    if param.name in SAMPLING_FLAGS:  # e.g. delayed's own draft temperature: --delayed-temperature
+        flag = f"--{strategy_name}-{param.name.replace('_', '-')}"
+    return flag
+
+
+def strategy_docs() -> str:
+    """The README's per-strategy parameter tables, generated from the declarations (tests keep the README in sync)."""
+    blocks = []
+    for cls in STRATEGIES.values():
+        lines = [f"**`{cls.name}`** — {cls.label}. {cls.summary}"]
+        if cls.params:
+            lines += ["", "| flag | meaning | cpu | paper |", "|---|---|---|---|"]
+            for param in cls.params:
+                flag = param_flag(cls.name, param)
+                if param.kind is bool:
+                    flag = f"{flag} / --no-{flag.removeprefix('--')}"
+                meaning = f"{param.label}: {param.help}" if param.help else param.label
+                cpu, paper = (cls.presets.get(k, {}).get(param.name, param.default) for k in ("cpu", "paper"))
+                lines.append(f"| `{flag}` | {meaning} | {cpu} | {paper} |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
 def _add_strategy_params(p: argparse.ArgumentParser) -> None:
     """One flag per strategy parameter, collected from every strategy's declaration."""
     group = p.add_argument_group("strategy options (each applies to the strategies that declare it)")
@@ -51,9 +77,7 @@ def _add_strategy_params(p: argparse.ArgumentParser) -> None:
                 seen[param.name].append(cls.name)
                 continue
             seen[param.name] = [cls.name]
-            flag = "--" + param.name.replace("_", "-")
-            if param.name in SAMPLING_FLAGS:  # e.g. delayed's own draft temperature: --delayed-temperature
-                flag = f"--{cls.name}-{param.name.replace('_', '-')}"
+            flag = param_flag(cls.name, param)
             if param.kind is bool:
                 group.add_argument(flag, dest=f"param_{param.name}", action=argparse.BooleanOptionalAction,
                                    default=None, help=param.help or param.label)

@@ -841,8 +841,8 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
         pack, why = should_pack(packed, models, device, dtype, native_bf16=_cpu_has_fast_bf16())
     except PackingError as err:
         raise ModelLoadError(str(err)) from None
+    _say(progress, 0.99, f"packing weights: {why}" if pack else why)
     if pack:
-        _say(progress, 0.99, f"packing weights: {why}")
         for m in models:
             pack_linears(m, packed_dtype(dtype, _cpu_has_fast_bf16()))
     pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, packed=pack)

@@ -22,7 +22,7 @@ from engine.prompts import PROMPT_SETS, load_prompt_set  # noqa: E402
 from engine.sampling import Sampling  # noqa: E402
 
 CHAIN = {"k": 1, "l1": 0, "l2": 4}
-IID = {"k": 3, "l1": 2, "l2": 2}
+IID = {"k": 3, "l1": 2, "l2": 2, "greedy_trunk": False}  # the paper's sampled trunk
 ROWS = [  # (label, strategy, params, rule)
     ("chain L=4", "delayed", CHAIN, "naive"),
     ("chain L=4", "delayed", CHAIN, "block"),

@@ -1,7 +1,8 @@
 """The command line on the tiny pair: JSON fields the issue promises, the bench table, clear errors."""
 import json
+from pathlib import Path
 
-from engine.cli import main
+from engine.cli import main, strategy_docs
 
 
 def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
@@ -42,3 +43,25 @@ def test_bad_input_gives_a_clear_error(capsys):
     assert "error:" in capsys.readouterr().err
     assert main(["generate", "--pair", "tiny-random", "--prompt", "x", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_readme_strategy_tables_match_the_declarations():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert strategy_docs() in readme, "README parameter tables are stale: run python scripts/update_readme.py"
+
+
+def test_rules_bench_script_measures_every_rule(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "rules.json"
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "rules_bench.py"), "--pair", "tiny-random",
+                           "--prompt-set", "code", "--limit", "1", "--max-new-tokens", "6", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    rules = {r["rule"] for r in rows}
+    assert {"naive", "block", "naive_tree", "specinfer", "spectr", "khisti", "traversal", "token_matching"} <= rules
+    assert {r["temperature"] for r in rows} == {0.6, 1.0}
+    assert all(r["block_efficiency"] >= 1.0 and r["tokens_per_s"] > 0 for r in rows)
+    assert "T=0.6" in proc.stdout and "T=1.0" in proc.stdout

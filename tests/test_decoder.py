@@ -95,6 +95,21 @@ def test_exact_edge_parameters(name, params, related_pair):
         assert all(it.drafted <= params.get("budget", 10**9) for it in result.iterations)
 
 
+def test_linear_confidence_stop_shortens_chains_and_stays_exact(related_pair):
+    for prompt in PROMPTS[:2]:
+        result = Decoder(related_pair, make_strategy("linear", k=8, stop_below=0.9)).generate(
+            prompt, max_new_tokens=60, stop_on_eos=False)
+        assert result.output_ids == reference_ids(0, prompt, 60)
+        lengths = []
+        for it in result.iterations:
+            drafted = [n for n in it.nodes if n.status not in (ROOT, BONUS)]
+            # every chain token but the last is confident; the chain ends at K or at the first unsure token
+            assert all(n.q >= 0.9 for n in drafted[:-1])
+            assert len(drafted) == 8 or drafted[-1].q < 0.9
+            lengths.append(len(drafted))
+        assert min(lengths) < 8
+
+
 @pytest.mark.parametrize("name", SPECULATIVE)
 def test_one_token_prompt_and_max_tokens_mid_path(name, identical_pair):
     reference = reference_ids(0, "Q", 40)

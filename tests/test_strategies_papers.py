@@ -399,6 +399,9 @@ def test_delayed_without_replacement_draws_distinct_siblings(pairs):
     assert make_strategy("delayed").child_mode == "iid"
     with pytest.raises(VerificationError, match="without_replacement"):
         make_verifier("spectr").check_strategy(strategy)  # SpecTr's K-SEQ needs i.i.d. children
+    with pytest.raises(VerificationError, match="topk"):  # a greedy trunk is deterministic, not i.i.d.
+        make_verifier("spectr").check_strategy(make_strategy("delayed", greedy_trunk=True))
+    make_verifier("spectr").check_strategy(make_strategy("delayed", greedy_trunk=True, l1=0))  # no trunk: fine
     result = Decoder(pairs["related0"], strategy).generate("hello world", max_new_tokens=30, stop_on_eos=False)
     for it in result.iterations:
         by_parent = {}

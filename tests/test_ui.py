@@ -10,7 +10,7 @@ gradio_client = pytest.importorskip("gradio_client")
 from gradio_client import Client, handle_file  # noqa: E402
 
 from test_ui_support import app_url, backend  # noqa: E402
-from treeviz.ui import FIXED_RUN_INPUTS  # noqa: E402
+from treeviz.ui import FIXED_RUN_INPUTS, verifier_choices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GALLERY = sorted((ROOT / "assets" / "traces").glob("*.json"))
@@ -191,3 +191,13 @@ def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
     with pytest.raises(Exception) as info:
         pm.wait("default", threading.Event())
     assert "fake: not today" in str(info.value)
+
+
+def test_only_compatible_rules_are_offered():
+    iid = verifier_choices("delayed")  # i.i.d. branches: no chain-only rules
+    assert {"auto", "specinfer", "spectr", "khisti", "traversal"} <= set(iid)
+    assert not {"naive", "block"} & set(iid)
+    topk = verifier_choices("dynatree")  # deterministic top-k children: no SpecTr / Khisti
+    assert {"auto", "token_matching", "traversal"} <= set(topk)
+    assert not {"spectr", "khisti", "naive", "block"} & set(topk)
+    assert {"naive", "block"} <= set(verifier_choices("linear"))

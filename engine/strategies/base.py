@@ -63,6 +63,8 @@ class Strategy:
     presets: ClassVar[dict[str, dict[str, Any]]] = {}  # "cpu" (default values) and "paper"
     uses_draft: ClassVar[bool] = True
     child_mode: ClassVar[str] = "topk"  # "topk" (deterministic), "iid", or "without_replacement"
+    # Every mode its trees may contain (a strategy may mix them, e.g. a greedy trunk under i.i.d. branches).
+    child_modes_used: tuple[str, ...] = ()
 
     def __init__(self, preset: str = "cpu", **overrides: Any):
         known = {p.name: p for p in self.params}

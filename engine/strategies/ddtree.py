@@ -49,7 +49,7 @@ class DDTree(Strategy):
         Param("block", 5, 1, 64, 1, "L (block length)", "positions drafted = draft forwards per iteration"),
     )
     presets = {
-        "cpu": {"budget": 16, "block": 5},
+        "cpu": {"budget": 8, "block": 3},
         "paper": {"budget": 256, "block": 16},  # budgets 16..1024 swept; speedup peaks around 256-512 (Fig. 3)
     }
 

@@ -36,7 +36,7 @@ class Delayed(Strategy):
               help="branch tokens at a node are distinct: each drawn with the earlier siblings removed"),
     )
     presets = {
-        "cpu": {"k": 3, "l1": 2, "l2": 2, "temperature": 1.0, "greedy_trunk": False},
+        "cpu": {"k": 4, "l1": 2, "l2": 1, "temperature": 1.0, "greedy_trunk": False},
         # The paper's selector chooses from K in 1..4, L1, L2 in 0..8; a fixed mid-range tree with full width.
         "paper": {"k": 4, "l1": 4, "l2": 4, "temperature": 1.0, "greedy_trunk": False},
     }
@@ -47,6 +47,8 @@ class Delayed(Strategy):
             raise StrategyError("L1 + L2 must be at least 1: a (K, 0, 0) tree drafts nothing (use the 'ar' strategy)")
         self.child_mode = "without_replacement" if c["without_replacement"] else "iid"
         self.chain = c["k"] == 1  # one path: chain rules (Naive, Block) can check it
+        greedy_trunk = c["greedy_trunk"] and c["l1"] > 0
+        self.child_modes_used = ("topk", self.child_mode) if greedy_trunk else (self.child_mode,)
 
     def reset(self) -> None:
         self.generator = None  # created on the draft's device at the first draw

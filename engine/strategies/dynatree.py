@@ -43,7 +43,7 @@ class DynaTree(Strategy):
         Param("history", True, label="history adaptation"),
     )
     presets = {
-        "cpu": {"d0": 4, "d_max": 7, "budget": 14, "b_mid": 2, "b_max": 3, "tau": 0.05},
+        "cpu": {"d0": 4, "d_max": 7, "budget": 24, "b_mid": 2, "b_max": 3, "tau": 0.05},
         "paper": {"d0": 5, "d_max": 8, "budget": 256, "b_mid": 2, "b_max": 3, "tau": 0.05},
     }
 

@@ -13,7 +13,7 @@ class FixedTree(Strategy):
         Param("budget", 32, 1, 1024, 1, "N_max (node budget)", "maximum drafted nodes per iteration"),
     )
     presets = {
-        "cpu": {"depth": 5, "branch": 2, "tau": 0.1, "budget": 32},
+        "cpu": {"depth": 4, "branch": 2, "tau": 0.1, "budget": 32},
         "paper": {"depth": 8, "branch": 3, "tau": 0.1, "budget": 256},
     }
 

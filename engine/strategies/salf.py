@@ -33,7 +33,7 @@ class SALF(Strategy):
         Param("max_depth", 8, 1, 64, 1, "max depth", "nodes at this depth are not expanded (64: no limit)"),
     )
     presets = {
-        "cpu": {"n": 24, "b": 8, "th": 0.6, "max_depth": 8},
+        "cpu": {"n": 16, "b": 8, "th": 0.6, "max_depth": 8},
         "paper": {"n": 60, "b": 10, "th": 0.6, "max_depth": 64},
     }
 

@@ -167,7 +167,8 @@ class Verifier:
 
     def check_strategy(self, strategy) -> None:
         """Refuse, before decoding, a strategy whose trees this rule cannot check losslessly."""
-        self.check_compatible(strategy.child_mode)
+        for mode in getattr(strategy, "child_modes_used", ()) or (strategy.child_mode,):
+            self.check_compatible(mode)
 
     def check_tree(self, tree: DraftTree) -> None:
         """Refuse a tree this rule cannot check losslessly (every expanded node's child mode, rule-specific shape)."""
