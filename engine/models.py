@@ -841,7 +841,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
         pack, why = should_pack(packed, models, device, dtype, native_bf16=_cpu_has_fast_bf16())
     except PackingError as err:
         raise ModelLoadError(str(err)) from None
-    _say(progress, 0.99, f"packing weights: {why}" if pack else why)
+    _say(progress, 1.0, f"packing weights: {why}" if pack else why)  # the loads already reported 1.0
     if pack:
         for m in models:
             pack_linears(m, packed_dtype(dtype, _cpu_has_fast_bf16()))
