@@ -84,9 +84,9 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
                 exact = f"  exact={out['exact']}" if sampling.greedy else ""
                 log(f"  {set_name:5s} {entry['name'][:28]:28s} {method:11s} "
                     f"{out['new_tokens'] / out['total_s']:6.2f} tok/s{exact}")
-        ar_tps = _throughput(per_method["ar"])
+        ar_tps = throughput(per_method["ar"])
         for method in methods:
-            row = _summarise(set_name, method, per_method[method], ar_tps)
+            row = summarise(set_name, method, per_method[method], ar_tps)
             if not sampling.greedy:
                 row["exact_match_rate"] = None  # sampled outputs are not expected to equal AR's sample
             rows.append(row)
@@ -98,14 +98,18 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
             "rows": rows}
 
 
-def _throughput(outs: list[dict]) -> float:
+def throughput(outs: list[dict]) -> float:
     return sum(o["new_tokens"] for o in outs) / sum(o["total_s"] for o in outs)
 
 
-def _summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> dict[str, Any]:
-    tps = _throughput(outs)
+def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> dict[str, Any]:
+    """One table row from a method's runs on one prompt set; exact_match_rate is None where runs were not compared
+    with AR (no "exact" key)."""
+    tps = throughput(outs)
+    exact = [o["exact"] for o in outs if "exact" in o]
     row: dict[str, Any] = {"prompt_set": set_name, "method": method, "runs": len(outs), "tokens_per_s": tps,
-                           "speedup": tps / ar_tps, "exact_match_rate": sum(o["exact"] for o in outs) / len(outs)}
+                           "speedup": tps / ar_tps,
+                           "exact_match_rate": sum(exact) / len(outs) if len(exact) == len(outs) else None}
     results: list[RunResult] = [o["result"] for o in outs if "result" in o]
     if results:
         iters = [it for r in results for it in r.iterations]

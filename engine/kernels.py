@@ -6,8 +6,8 @@ input row. For a 1.5B model that re-packing costs more than the multiplication: 
 Tree verification and batched draft levels are exactly those calls, so they decide whether speculation pays.
 
 `pack_linears` gives every `nn.Linear` a second copy of its weight, reordered once into oneDNN's blocked layout, and
-routes calls with more than one row through it. Single-row calls (plain autoregressive decoding, one-node draft
-levels) keep the original matrix-vector path, which is memory-bound and a little faster than oneDNN there. The
+routes calls with more than MAX_PLAIN_ROWS rows through it. Calls with fewer rows (plain autoregressive decoding,
+small draft levels) keep the original path, which is memory-bound and as fast or a little faster there. The
 price is a second copy of the weights in memory, so `auto` packs only when the memory is free.
 
 bf16 on a CPU without native bf16 instructions: oneDNN emulates bf16 GEMMs slowly, so the packed copy is kept in fp32

@@ -837,14 +837,15 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
         check_rollbackable(d_model.config, d_name)
         check_same_vocab(t_model, t_tok, t_name, d_model, d_tok, d_name)
     models = [m for m in (t_model, d_model) if m is not None]
+    native_bf16 = _cpu_has_fast_bf16()
     try:
-        pack, why = should_pack(packed, models, device, dtype, native_bf16=_cpu_has_fast_bf16())
+        pack, why = should_pack(packed, models, device, dtype, native_bf16=native_bf16)
     except PackingError as err:
         raise ModelLoadError(str(err)) from None
     _say(progress, 1.0, f"packing weights: {why}" if pack else why)  # the loads already reported 1.0
     if pack:
         for m in models:
-            pack_linears(m, packed_dtype(dtype, _cpu_has_fast_bf16()))
+            pack_linears(m, packed_dtype(dtype, native_bf16))
     pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, packed=pack)
     _say(progress, 1.0, f"ready in {time.perf_counter() - t0:.1f} s: {pair.describe()}")
     return pair

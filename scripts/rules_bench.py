@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.bench import run_method  # noqa: E402
+from engine.bench import run_method, summarise, throughput  # noqa: E402
 from engine.models import PAIRS, load_pair  # noqa: E402
 from engine.prompts import PROMPT_SETS, load_prompt_set  # noqa: E402
 from engine.sampling import Sampling  # noqa: E402
@@ -63,19 +63,19 @@ def main():
     for t in temps:
         sampling = Sampling(temperature=t, top_p=args.top_p, seed=args.seed)
         ar = [run_method(pair, "ar", p, args.max_new_tokens, sampling=sampling) for _, p in prompts]
-        ar_tps = sum(o["new_tokens"] for o in ar) / sum(o["total_s"] for o in ar)
+        ar_tps = throughput(ar)
         for label, strategy, params, rule in ROWS:
             outs = [run_method(pair, strategy, p, args.max_new_tokens, params={strategy: params}, verifier=rule,
                                sampling=sampling) for _, p in prompts]
-            iters = [it for o in outs for it in o["result"].iterations]
-            tps = sum(o["new_tokens"] for o in outs) / sum(o["total_s"] for o in outs)
+            summary = summarise(args.prompt_set, strategy, outs, ar_tps)
             row = {"temperature": t, "tree": label, "strategy": strategy, "params": params, "rule": rule,
-                   "block_efficiency": sum(it.committed for it in iters) / len(iters),
-                   "tokens_per_s": tps, "speedup": tps / ar_tps, "ar_tokens_per_s": ar_tps,
-                   "iterations": len(iters)}
+                   "block_efficiency": summary["mean_tokens_per_iter"], "tokens_per_s": summary["tokens_per_s"],
+                   "speedup": summary["speedup"], "ar_tokens_per_s": ar_tps,
+                   "iterations": sum(len(o["result"].iterations) for o in outs)}
             table.append(row)
             print(f"T={t:.1f} {label:18s} {rule:15s} L̄={row['block_efficiency']:5.2f} "
-                  f"{tps:5.2f} tok/s ({row['speedup']:4.2f}× AR {ar_tps:4.2f})", file=sys.stderr, flush=True)
+                  f"{row['tokens_per_s']:5.2f} tok/s ({row['speedup']:4.2f}× AR {ar_tps:4.2f})",
+                  file=sys.stderr, flush=True)
 
     head = f"{'tree':18s} {'rule':15s}" + "".join(f" | T={t:.1f}: {'L̄':>5s} {'tok/s':>6s} {'speedup':>7s}"
                                                   for t in temps)
