@@ -31,6 +31,7 @@ class NodeRecord:
     status: str
     accept_prob: float | None = None  # probability the verification rule accepted it with (sampling rules)
     resampled: bool = False            # emitted token drawn from a residual distribution
+    draws: int = 1                     # i.i.d. draws at the parent this node stands for (merged duplicates)
 
 
 @dataclass

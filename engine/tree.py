@@ -27,6 +27,11 @@ class DraftTree:
     # How the children of each node were drawn: "topk" (deterministic), "iid" or "without_replacement".
     child_mode: dict[int, str] = field(default_factory=dict)
     confidence: dict[int, float] = field(default_factory=dict)  # max draft probability at expanded nodes
+    # Children of a node in the order they were drawn, one entry per draw: a child that several i.i.d. draws produced
+    # (merged into one node, see `add_draw`) appears once per draw. Only nodes with merged draws need an entry;
+    # elsewhere the draw order is `children`. Sampling rules for i.i.d. children rely on this order being the true
+    # (exchangeable) draw order, never "grouped by first appearance", which biases them.
+    draws: dict[int, list[int]] = field(default_factory=dict)
     # Strategy-specific, JSON-able signals for this iteration (e.g. SALF's round sums); copied into the record.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -62,6 +67,27 @@ class DraftTree:
         self.children.append([])
         self.children[parent].append(node)
         return node
+
+    def add_draw(self, parent: int, token: int, q: float, rank: int = 0) -> int:
+        """Record one draw of `token` at `parent`, merging it into an existing child with that token (the merged
+        node then stands for several i.i.d. draws; its subtree holds the draws of every path through it). A node's
+        children come either all from `add_draw` or all from `add`."""
+        child = self.child_with_token(parent, token)
+        if child is None:
+            child = self.add(parent, token, q, rank)
+        self.draws.setdefault(parent, []).append(child)
+        return child
+
+    def draw_order(self, node: int) -> list[int]:
+        """The children of `node` in draw order, a merged child repeated once per draw that produced it (a new
+        list)."""
+        return list(self.draws.get(node, self.children[node]))
+
+    def multiplicity(self, node: int) -> int:
+        """How many draws at its parent produced `node` (1 unless merged)."""
+        parent = self.parents[node]
+        order = self.draws.get(parent)
+        return 1 if order is None else order.count(node)
 
     def path_to(self, node: int) -> list[int]:
         """Node ids from the root to `node`, both included."""
@@ -110,7 +136,8 @@ class DraftTree:
             values[:] = [values[old] for old in order]
         self.parents[:] = [-1] + [mapping[self.parents[old]] for old in order[1:]]
         self.children[:] = [[mapping[c] for c in self.children[old] if c in mapping] for old in order]
-        for name in ("child_dist", "child_mode", "confidence"):
+        self.draws.update({k: [mapping[c] for c in v if c in mapping] for k, v in self.draws.items()})
+        for name in ("child_dist", "child_mode", "confidence", "draws"):
             old_dict = getattr(self, name)
             new_dict = {mapping[k]: v for k, v in old_dict.items() if k in mapping}
             old_dict.clear()

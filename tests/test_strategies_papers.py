@@ -42,8 +42,8 @@ def limits(name, c):
         return c["budget"], c["max_depth"]
     if name == "salf":  # nodes at max_depth are not expanded
         return c["n"], c["max_depth"]
-    if name == "eagle2":
-        return c["n"], c["depth"]
+    if name == "eagle2":  # depth counts expansion steps after the root's top-k
+        return c["n"], c["depth"] + 1
     if name == "ddtree":
         return c["budget"], c["block"]
     return c["l1"] + c["k"] * c["l2"], c["l1"] + c["l2"]
@@ -297,7 +297,8 @@ def test_dyspec_threshold_variant_and_dfs_order():
 
 
 def test_eagle2_beam_then_rerank():
-    strategy, tree, drafter = fake_build("eagle2", n=20, k=3, depth=4)
+    # depth counts expansion steps after the root's top-k (EAGLE-2's code): depth 3 -> 4 layers, 4 draft forwards
+    strategy, tree, drafter = fake_build("eagle2", n=20, k=3, depth=3)
     assert drafter.forwards == 4 and drafter.batches == [1, 3, 3, 3]
     assert tree.num_drafted == 20 and tree.max_depth <= 4
     # Rebuild the beam's candidate set independently and check the kept nodes are its top 20.
@@ -372,8 +373,8 @@ def test_ddtree_stops_the_chain_when_no_deeper_prefix_can_win():
 def test_delayed_tree_shape_multiplicity_and_seed():
     for k, l1, l2 in [(4, 2, 3), (3, 0, 2), (1, 3, 1), (2, 2, 0)]:
         strategy, tree, drafter = fake_build("delayed", peak=0.5, k=k, l1=l1, l2=l2, seed=11)
-        mult = tree.extra["multiplicity"]
-        assert len(mult) == len(tree) and mult[0] == 1
+        assert "multiplicity" not in tree.extra  # per-node data on the tree, not a leak into traces
+        mult = [1] + [tree.multiplicity(v) for v in range(1, len(tree))]
         assert drafter.forwards == l1 + l2
         for d in range(1, l1 + 1):  # the trunk: one node per depth
             assert [mult[v] for v in range(len(tree)) if tree.depths[v] == d] == [1]
@@ -381,7 +382,8 @@ def test_delayed_tree_shape_multiplicity_and_seed():
             assert sum(mult[v] for v in range(len(tree)) if tree.depths[v] == d) == k
         for node in tree.child_mode:
             assert tree.child_mode[node] == "iid"
-            draws = sum(mult[c] for c in tree.children[node])
+            draws = len(tree.draw_order(node))
+            assert draws == sum(mult[c] for c in tree.children[node])
             d = tree.depths[node]
             assert draws == (1 if d < l1 else k if d == l1 else mult[node])  # m paths through: m draws
         assert tree.max_depth == l1 + l2
@@ -420,7 +422,7 @@ def test_delayed_samples_at_the_draft_temperature():
         tree = DraftTree(root_token=-1)
         strategy.build(FakeDrafter(tree, peak=1.0), tree)
         for c in tree.children[0]:
-            counts[tree.tokens[c]] += tree.extra["multiplicity"][c]
+            counts[tree.tokens[c]] += tree.multiplicity(c)
     expected = torch.softmax(path_dist((), 1.0).log() / 0.5, -1)
     assert torch.allclose(counts / counts.sum(), expected, atol=0.04)
     assert torch.allclose(tree.child_dist[0], expected)
@@ -474,3 +476,48 @@ def test_registered_with_both_presets():
     assert STRATEGIES["delayed"].child_mode == "iid"
     assert make_strategy("salf", "paper").config == {"n": 60, "b": 10, "th": 0.6, "max_depth": 64}
     assert make_strategy("eagle2", "paper").config == {"n": 60, "k": 10, "depth": 7}
+
+
+@pytest.mark.parametrize("start", [
+    {"d0": 1, "d_max": 8, "tau_h": 0.97, "tau_l": 0.4, "rho_deep": 0.2, "rho_stop": 0.1},  # outside the clip ranges
+    {"d0": 7, "d_max": 8, "tau_h": 0.5, "tau_l": 0.4, "rho_deep": 0.85, "rho_stop": 0.1},
+    {"d0": 5, "d_max": 8, "tau_h": 0.9, "tau_l": 0.4, "rho_deep": 0.5, "rho_stop": 0.1},  # the paper's defaults
+])
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_dynatree_history_never_moves_a_parameter_the_wrong_way(start, rate):
+    """High acceptance: D0 never falls, tau_h and rho_deep never rise; low acceptance: the reverse (DESIGN §3)."""
+    strategy = make_strategy("dynatree", **start)
+    for _ in range(30):
+        before = dict(strategy.state)
+        strategy.observe(int(rate * 10), 10)
+        after = strategy.state
+        sign = 1 if rate > 0.7 else -1
+        assert sign * (after["d0"] - before["d0"]) >= 0
+        assert sign * (after["tau_h"] - before["tau_h"]) <= 0
+        assert sign * (after["rho_deep"] - before["rho_deep"]) <= 0
+    if start["d0"] == 5:  # the paper's defaults end at the bound in the step's direction
+        assert strategy.state == ({"d0": 7, "tau_h": 0.5, "rho_deep": 0.3} if rate > 0.7 else
+                                  {"d0": 2, "tau_h": 0.95, "rho_deep": 0.8})
+
+
+def test_dynatree_history_cases_from_the_issue():
+    low = make_strategy("dynatree", d0=1, d_max=8)  # D0 = 1 made "more conservative" used to rise to 2
+    low.observe(0, 10)
+    assert low.state["d0"] == 1
+    hot = make_strategy("dynatree", tau_h=0.97, tau_l=0.4)  # tau_h > 0.95 used to be lowered under low acceptance
+    hot.observe(0, 10)
+    assert hot.state["tau_h"] == 0.97
+    deep = make_strategy("dynatree", rho_deep=0.2, rho_stop=0.1)  # rho_deep < 0.3 used to rise under high acceptance
+    deep.observe(10, 10)
+    assert deep.state["rho_deep"] == 0.2
+
+
+def test_delayed_records_carry_draw_counts(pairs):
+    """Merged duplicates reach the trace as per-node data (NodeRecord.draws), not as a strategy extra."""
+    strategy = make_strategy("delayed", k=4, l1=1, l2=1)
+    result = Decoder(pairs["related0"], strategy).generate("hello world", max_new_tokens=20, stop_on_eos=False)
+    for it in result.iterations:
+        assert "multiplicity" not in it.extra
+        branch = [n for n in it.nodes if n.depth == 2 and n.status != BONUS]
+        assert sum(n.draws for n in branch) == 4 and all(n.draws == 1 for n in it.nodes if n.depth == 1)
+    assert any(n.draws > 1 for it in result.iterations for n in it.nodes)

@@ -4,11 +4,12 @@ A trunk of L1 draft tokens (sampled, or greedy), then K i.i.d. draft paths of L2
 all drawn at the draft temperature T from q^(1/T) (renormalised; q is the drafter's processed distribution).
 Delaying the branching point spends the i.i.d. width deep in the tree, where draft and target disagree most.
 The K paths are sampled in parallel: each step is ONE draft forward over the distinct current path ends; an end
-reached by m paths draws m i.i.d. children. Paths that draw the same token share one node, and
-tree.extra["multiplicity"][node] counts the draws at its parent that produced it (1 on the trunk) — sampling
-verifiers (SpecInfer-style) need the duplicates. Sampled nodes record child_mode "iid" and the exact distribution
-they drew from in child_dist. Draws use the run's sampling generator when the decoder gives the drafter one
-(temperature > 0), else the strategy's own, seeded with `seed` at every reset: runs repeat either way.
+reached by m paths draws m i.i.d. children. Paths that draw the same token share one node (`DraftTree.add_draw`),
+and the tree keeps every node's draws in their true order (`tree.draw_order`, a merged node once per draw), which
+the i.i.d. rules (SpecInfer, SpecTr, Khisti) need: tried grouped by first appearance they would be biased. Sampled
+nodes record child_mode "iid" and the exact distribution they drew from in child_dist. Draws use the run's sampling
+generator when the decoder gives the drafter one (temperature > 0), else the strategy's own, seeded with `seed` at
+every reset: runs repeat either way.
 With `without_replacement` the K branch tokens at a node are distinct instead: the i-th is drawn from q with the
 earlier siblings' tokens removed and renormalised (child mode "without_replacement", for SpecInfer's
 without-replacement variant; rules that need i.i.d. children refuse it).
@@ -64,25 +65,23 @@ class Delayed(Strategy):
             if self.generator is None or self.generator.device != dist.device:
                 self.generator = torch.Generator(device=dist.device).manual_seed(self.config["seed"])
             generator = self.generator
-        if self.config["without_replacement"]:
+        replacement = not self.config["without_replacement"]
+        if not replacement:
             count = min(count, int((dist > 0).sum()))
-            return dist, torch.multinomial(dist, count, replacement=False, generator=generator).tolist()
-        return dist, torch.multinomial(dist, count, replacement=True, generator=generator).tolist()
+        return dist, self.sample(dist, count, replacement, generator)
+
+    @staticmethod
+    def sample(dist: torch.Tensor, count: int, replacement: bool, generator: torch.Generator) -> list[int]:
+        """`count` tokens from `dist` in draw order (without replacement: torch draws sequentially, so the order is
+        the draw order too)."""
+        return torch.multinomial(dist, count, replacement=replacement, generator=generator).tolist()
 
     def build(self, drafter, tree) -> None:
         c = self.config
-        multiplicity = [1]
-        tree.extra["multiplicity"] = multiplicity
 
         def add(parent: int, dist: torch.Tensor, token: int) -> int:
-            child = tree.child_with_token(parent, token)
-            if child is None:
-                p = float(dist[token])
-                rank = int((dist > p).sum())
-                child = tree.add(parent, token, p, rank)
-                multiplicity.append(0)
-            multiplicity[child] += 1
-            return child
+            p = float(dist[token])
+            return tree.add_draw(parent, token, p, int((dist > p).sum()))
 
         node = 0
         for _ in range(c["l1"]):  # trunk: one draw per node

@@ -42,6 +42,7 @@ class DynaTree(Strategy):
         Param("pruning", True, label="probability pruning"),
         Param("history", True, label="history adaptation"),
     )
+    auto_param = "budget"  # the size the "auto" preset tunes from measured costs
     presets = {
         "cpu": {"d0": 4, "d_max": 7, "budget": 24, "b_mid": 2, "b_max": 3, "tau": 0.05},
         "paper": {"d0": 5, "d_max": 8, "budget": 256, "b_mid": 2, "b_max": 3, "tau": 0.05},
@@ -104,11 +105,13 @@ class DynaTree(Strategy):
         mean = sum(self.recent) / len(self.recent)
         s, d_max = self.state, self.config["d_max"]
         a_star = self.config["a_star"]
-        if mean > a_star + DEAD_BAND:
-            s["d0"] = min(s["d0"] + 1, d_max - 1)
-            s["tau_h"] = round(max(s["tau_h"] - 0.05, 0.5), 4)
-            s["rho_deep"] = round(max(s["rho_deep"] - 0.05, 0.3), 4)
-        elif mean < a_star - DEAD_BAND:
-            s["d0"] = max(s["d0"] - 1, 2)
-            s["tau_h"] = round(min(s["tau_h"] + 0.05, 0.95), 4)
-            s["rho_deep"] = round(min(s["rho_deep"] + 0.05, 0.8), 4)
+        # A step moves each parameter toward its bound and never past where it already is: a value configured
+        # outside the paper's range (e.g. D0 = 1) is left alone by a step that would move it the wrong way.
+        if mean > a_star + DEAD_BAND:  # accepting well: draft deeper and wider
+            s["d0"] = max(s["d0"], min(s["d0"] + 1, d_max - 1))
+            s["tau_h"] = min(s["tau_h"], round(max(s["tau_h"] - 0.05, 0.5), 4))
+            s["rho_deep"] = min(s["rho_deep"], round(max(s["rho_deep"] - 0.05, 0.3), 4))
+        elif mean < a_star - DEAD_BAND:  # accepting poorly: more conservative
+            s["d0"] = min(s["d0"], max(s["d0"] - 1, 2))
+            s["tau_h"] = max(s["tau_h"], round(min(s["tau_h"] + 0.05, 0.95), 4))
+            s["rho_deep"] = max(s["rho_deep"], round(min(s["rho_deep"] + 0.05, 0.8), 4))

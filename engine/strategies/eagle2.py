@@ -1,9 +1,11 @@
 """EAGLE-2 beam search (Li et al., the baseline of salf-talf App. B): expand the deepest layer, then re-rank.
 
-Expansion: the root's top-k children form layer 1; each later step takes the k nodes of the deepest layer with the
-highest path probability V (product of draft probabilities from the root), expands them in ONE draft forward and
-adds each one's top-k children, until the tree is `depth` deep (so `depth` draft forwards, root included; EAGLE-2's
-code gets its first forward free from the target's features, which our separate draft model cannot).
+Expansion: the root's top-k children form layer 1; then `depth` expansion steps each take the k nodes of the deepest
+layer with the highest path probability V (product of draft probabilities from the root), expand them in ONE draft
+forward and add each one's top-k children. `depth` counts expansion steps after the root's top-k, as in EAGLE-2's
+code (its `for i in range(depth)` loop after the first top-k) and so in the salf-talf paper's setting depth = 7: the
+tree has depth + 1 layers and costs depth + 1 draft forwards (EAGLE-2's first one comes with the target's features,
+which our separate draft model cannot use).
 Re-ranking: keep the N nodes with the highest V. A child's V never exceeds its parent's, and ties go to the
 shallower (then earlier) node, so the kept set is prefix-closed. Candidates live in the real tree while the draft
 works (the drafter needs their ids); the rest are pruned at the end and the drafter's rows remapped.
@@ -14,14 +16,16 @@ from engine.strategies.base import Param, Strategy
 class Eagle2(Strategy):
     name = "eagle2"
     label = "EAGLE-2 beam"
-    summary = "Top-k of the deepest layer expanded for `depth` draft forwards, then the N most probable nodes kept."
+    summary = "The root's top-k, then `depth` steps expanding the deepest layer's top-k; the N most probable kept."
     params = (
         Param("n", 24, 1, 1024, 1, "N (tree size)", "nodes kept after re-ranking (root excluded)"),
         Param("k", 4, 1, 64, 1, "k (beam width)", "nodes expanded per layer, and children per expanded node"),
-        Param("depth", 4, 1, 32, 1, "depth", "tree depth = draft forwards per iteration"),
+        Param("depth", 3, 0, 32, 1, "depth (expansion steps)",
+              "expansion steps after the root's top-k: the tree has depth + 1 layers, depth + 1 draft forwards"),
     )
+    auto_param = "n"  # the size the "auto" preset tunes from measured costs
     presets = {
-        "cpu": {"n": 8, "k": 2, "depth": 3},
+        "cpu": {"n": 8, "k": 2, "depth": 2},
         "paper": {"n": 60, "k": 10, "depth": 7},
     }
 
@@ -29,7 +33,7 @@ class Eagle2(Strategy):
         c = self.config
         k = c["k"]
         layer = self.add_top_children(tree, 0, drafter.expand([0])[0], k)
-        for _ in range(c["depth"] - 1):
+        for _ in range(c["depth"]):
             beam = sorted(layer, key=lambda v: (-tree.path_q[v], v))[:k]
             if not beam:
                 break

@@ -10,7 +10,8 @@ Rules declare which ways of drawing children they can check losslessly; an incom
 The draft distribution q of an expanded node is `tree.child_dist[node]` (the processed distribution that drew its
 children) and `tree.child_mode[node]` says how the children were drawn:
 - "iid": each child an independent draw from q; duplicates allowed, either as separate sibling nodes (each with its
-  own subtree) or as one node with a multiplicity (`tree.extra["multiplicity"][node]`, see `multiplicity`);
+  own subtree) or as one node standing for several draws (`DraftTree.add_draw`; `tree.draw_order(node)` lists the
+  draws in their true order, a merged child once per draw, which keeps the order exchangeable);
 - "without_replacement": the i-th child drawn from q with the earlier siblings' tokens removed and q renormalised;
 - "topk": chosen deterministically; as a draw, the i-th child comes from the point mass on its token.
 `child_draws` turns all three into one list of (child, distribution it was drawn from), which is what the
@@ -57,40 +58,10 @@ def softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1)
 
 
-# -- helpers shared by the rules ---------------------------------------------------------------------------------------
-def multiplicities(tree: DraftTree):
-    """Per-node draw counts when duplicate i.i.d. draws are merged into one node (a list or dict indexed by node, from
-    `tree.extra["multiplicity"]` or a `tree.multiplicity` attribute); None when every node is one draw."""
-    table = getattr(tree, "multiplicity", None)
-    if table is None:
-        table = getattr(tree, "extra", {}).get("multiplicity")
-    return table or None
-
-
-def multiplicity(tree: DraftTree, node: int, table=False) -> int:
-    """How many draws at its parent produced `node`; 1 by default."""
-    table = multiplicities(tree) if table is False else table
-    if table is None:
-        return 1
-    if isinstance(table, dict):
-        return int(table.get(node, 1))
-    return int(table[node]) if node < len(table) else 1
-
-
-def draw_list(tree: DraftTree, node: int) -> list[int]:
-    """The children of `node` in draw order, a merged duplicate repeated as often as it was drawn."""
-    table = multiplicities(tree)
-    if table is None:
-        return list(tree.children[node])
-    out = []
-    for child in tree.children[node]:
-        out += [child] * multiplicity(tree, child, table)
-    return out
-
-
+# -- helpers shared by the rules (torch tensors only: the tests run this same code on tiny vocabularies) ------------
 def child_draws(tree: DraftTree, node: int) -> list[tuple[int, torch.Tensor]]:
     """(child, distribution the child was drawn from given its earlier siblings), in draw order."""
-    draws = draw_list(tree, node)
+    draws = tree.draw_order(node)
     if not draws:
         return []
     mode, q = tree.child_mode.get(node, "topk"), tree.child_dist.get(node)
@@ -111,21 +82,21 @@ def child_draws(tree: DraftTree, node: int) -> list[tuple[int, torch.Tensor]]:
     return out
 
 
-def point_mass(like, token: int):
-    out = like * 0.0
+def point_mass(like: torch.Tensor, token: int) -> torch.Tensor:
+    out = torch.zeros_like(like)
     out[token] = 1.0
     return out
 
 
-def without(q, token: int):
+def without(q: torch.Tensor, token: int) -> torch.Tensor:
     """q with `token` removed, renormalised: the next draw's distribution when drawing without replacement."""
-    out = q * 1.0
+    out = q.clone()
     out[token] = 0.0
     mass = float(out.sum())
     return out / mass if mass > TINY else out
 
 
-def residual(p, q, weight: float = 1.0):
+def residual(p: torch.Tensor, q: torch.Tensor, weight: float = 1.0) -> tuple[torch.Tensor, float]:
     """(norm(max(weight * p - q, 0)), its mass before normalising). When the mass is zero (an event of probability
     zero for the rules) the distribution is p itself."""
     r = (weight * p - q).clip(min=0.0)
@@ -133,7 +104,7 @@ def residual(p, q, weight: float = 1.0):
     return (r / mass if mass > TINY else p), mass
 
 
-def ratio(p, q, token: int) -> float:
+def ratio(p: torch.Tensor, q: torch.Tensor, token: int) -> float:
     """min(1, p(token) / q(token)): the speculative-sampling acceptance probability."""
     pt, qt = float(p[token]), float(q[token])
     return 1.0 if pt >= qt else pt / qt
@@ -148,6 +119,10 @@ class TorchRandom:
 
     def uniform(self) -> float:
         return float(torch.rand((), generator=self.generator, device=self.device))
+
+    def accept(self, probability: float) -> bool:
+        """True with the given probability (one uniform draw)."""
+        return self.uniform() < probability
 
     def choice(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
@@ -185,9 +160,9 @@ class Verifier:
         return self.walk(tree, TargetDists(logits, process), TorchRandom(generator))
 
     def walk(self, tree: DraftTree, p, rng: TorchRandom) -> Verdict:
-        """The rule itself. `p[node]` is the target's processed distribution after `node` (float32 [V]); random
-        numbers come from `rng.uniform()` and `rng.choice(probs)`. Rules use only indexing, arithmetic, `.clip` and
-        `.sum` on distributions, so the lossless tests can run them on tiny numpy arrays, 20,000 trials a second."""
+        """The rule itself. `p[node]` is the target's processed distribution after `node` (a float tensor [V]); all
+        randomness comes from `rng.accept(probability)` and `rng.choice(probs)`, which is what lets the tests
+        enumerate every outcome of a rule exactly (tests/exact.py) on the same code path real models use."""
         raise NotImplementedError
 
 
@@ -231,6 +206,6 @@ class ChainOnly:
     def check_tree(self, tree) -> None:
         super().check_tree(tree)
         for node in range(len(tree)):
-            if len(draw_list(tree, node)) > 1:
+            if len(tree.draw_order(node)) > 1:
                 raise VerificationError(f"verification rule {self.name!r} checks a single draft chain, but node "
-                                        f"{node} has {len(draw_list(tree, node))} children")
+                                        f"{node} has {len(tree.draw_order(node))} children")

@@ -33,7 +33,7 @@ class BlockVerification(ChainOnly, Verifier):
                 _, rest = residual(p[chain[i]], drafts[i], weights[i])
                 h = rest / ((1.0 - weights[i]) + rest) if rest > 0 else 0.0
             accept[chain[i]] = h
-            if rng.uniform() < h:
+            if rng.accept(h):
                 tau = i
                 break
         if tau == depth:

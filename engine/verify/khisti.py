@@ -1,5 +1,9 @@
 """Khisti-style verification (Khisti et al. 2025, canonical two-step architecture), for k i.i.d. child draws.
 
+The selection weights here are p/q tournament weights, NOT the truncated-LP weights of Khisti et al.: the rule is
+exactly lossless either way, but its acceptance is lower than the paper's (measured against the Algorithm 10 bound
+for our selection in tests/test_verify_exact.py and the README).
+
 Step 1, importance-weighted selection: a sequential pairwise tournament over the draws X_1..X_k (the champion meets
 each next draw; x beats y with probability w(x) / (w(x) + w(y)), w = p / q, 1/2 when both are 0) picks one token Y.
 Its law r is computed exactly: r_1 = q, r_{i+1}(x) = q(x) sum_c r_i(c) B(x, c) + r_i(x) sum_y q(y) B(x, y).
@@ -14,30 +18,16 @@ import torch
 
 from engine.verify.base import TopDown, ratio, residual
 
-SMALL, MAX_SUPPORT = 64, 4096
+MAX_SUPPORT = 4096
 
 
 def _beats(wx: float, wy: float) -> float:
     return wx / (wx + wy) if wx + wy > 0 else 0.5
 
 
-def selection_law(p, q, k: int):
-    """r: the law of the tournament winner among k i.i.d. draws from q, same array type as q; None when the draft's
-    support is too large to compute it."""
-    if len(q) <= SMALL:  # plain floats: the tests' tiny vocabularies
-        qs, ps = q.tolist(), p.tolist()
-        w = [a / b if b > 0 else 0.0 for a, b in zip(ps, qs)]
-        idx = [i for i, b in enumerate(qs) if b > 0]
-        beat = {x: [_beats(w[x], w[y]) for y in idx] for x in idx}
-        q_in = [qs[y] for y in idx]
-        wins_vs_q = {x: sum(b * qy for b, qy in zip(beat[x], q_in)) for x in idx}
-        r = q_in
-        for _ in range(k - 1):
-            r = [qs[x] * sum(b * rc for b, rc in zip(beat[x], r)) + rx * wins_vs_q[x] for x, rx in zip(idx, r)]
-        out = q * 0.0
-        for i, v in zip(idx, r):
-            out[i] = v
-        return out
+def selection_law(p: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor | None:
+    """r: the law of the tournament winner among k i.i.d. draws from q (same dtype as q); None when the draft's
+    support is too large to compute it. Computed in float64 over q's support."""
     support = (q > 0).nonzero().flatten()
     if len(support) > MAX_SUPPORT:
         return None
@@ -53,7 +43,7 @@ def selection_law(p, q, k: int):
 
 class Khisti(TopDown):
     name = "khisti"
-    label = "Khisti (tournament selection + speculative sampling)"
+    label = "Khisti-style (p/q tournament selection + speculative sampling; not the paper's LP weights)"
     child_modes = ("iid",)
 
     def solve(self, tree, p, draws, rng, accept):
@@ -65,9 +55,9 @@ class Khisti(TopDown):
             r = q  # no tournament: the first draw, law q
         else:
             for child, _ in draws[1:]:
-                if rng.uniform() < _beats(w(child), w(champion)):
+                if rng.accept(_beats(w(child), w(champion))):
                     champion = child
         a = accept[champion] = ratio(p, r, tree.tokens[champion])
-        if rng.uniform() < a:
+        if rng.accept(a):
             return champion, tree.tokens[champion], False
         return None, rng.choice(residual(p, r)[0]), True

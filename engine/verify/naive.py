@@ -17,7 +17,7 @@ class NaiveTree(TopDown):
     def solve(self, tree, p, draws, rng, accept):
         child, q = draws[0]
         a = accept[child] = ratio(p, q, tree.tokens[child])
-        if rng.uniform() < a:
+        if rng.accept(a):
             return child, tree.tokens[child], False
         return None, rng.choice(residual(p, q)[0]), True
 

@@ -18,7 +18,7 @@ class SpecInfer(TopDown):
     def solve(self, tree, p, draws, rng, accept):
         for child, q in draws:
             a = accept[child] = ratio(p, q, tree.tokens[child])
-            if rng.uniform() < a:
+            if rng.accept(a):
                 return child, tree.tokens[child], False
             p = residual(p, q)[0]
         return None, rng.choice(p), True

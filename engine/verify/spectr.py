@@ -6,24 +6,20 @@ all fail, sample from norm(max(p - gamma min(p / rho*, q), 0)) with gamma = p_ac
 token has law gamma min(p / rho, q), which never exceeds p when gamma <= rho, i.e. rho >= rho*, so the residual
 makes up exactly p. The bisection therefore returns the upper end of its bracket.
 """
+import torch
+
 from engine.verify.base import TopDown
 
-SMALL = 64
 
-
-def overlap(p, q, rho: float):
+def overlap(p: torch.Tensor, q: torch.Tensor, rho: float) -> torch.Tensor:
     """min(p / rho, q), elementwise."""
     return p / rho - (p / rho - q).clip(min=0.0)
 
 
-def division_factor(p, q, k: int, steps: int = 20) -> float:
+def division_factor(p: torch.Tensor, q: torch.Tensor, k: int, steps: int = 20) -> float:
     """rho* (or at most (k - 1) / 2^steps above it): the root of p_acc(rho) - rho beta(rho), decreasing on [1, k].
-    Bisection; on a small vocabulary (tests, or a truncated draft) plain floats beat tensor calls."""
-    if len(p) <= SMALL:
-        pairs = [(a, b) for a, b in zip(p.tolist(), q.tolist()) if a > 0 and b > 0]
-        beta_at = lambda rho: sum(a / rho if a < rho * b else b for a, b in pairs)  # noqa: E731
-    else:
-        beta_at = lambda rho: float(overlap(p, q, rho).sum())  # noqa: E731
+    Bisection; any rho >= rho* keeps the rule lossless, so the upper end of the bracket is returned."""
+    beta_at = lambda rho: float(overlap(p, q, rho).sum())  # noqa: E731
     lo, hi = 1.0, float(k)
     for _ in range(steps if k > 1 else 0):
         mid = 0.5 * (lo + hi)
@@ -47,7 +43,7 @@ class SpecTr(TopDown):
             token = tree.tokens[child]
             pt, qt = float(p[token]), float(q[token])
             a = accept[child] = 1.0 if pt >= rho * qt else pt / (rho * qt)
-            if rng.uniform() < a:
+            if rng.accept(a):
                 return child, token, False
         common = overlap(p, q, rho)
         beta = float(common.sum())

@@ -18,14 +18,14 @@ the point mass on its token) keeps the invariant. At the root a = 1: the output 
 On a chain this is exactly block verification (`block.py`). (The update rule is reconstructed from the descriptions
 of Weng et al. and of the delayed-tree paper and proven as above; tests check it against block verification.)
 
-Merged duplicates (i.i.d. paths sharing a node, with multiplicities, as the delayed strategy stores them) are first
-split back into one node per draw: the draws at a node are dealt, in a uniformly random order, to the copies of the
-node, the same number to each copy. Given the multiset of i.i.d. draws every order is equally likely, so the split tree
-is distributed as if the copies had been drawn separately. Trees whose copies cannot hold equal shares are refused.
+Merged duplicates (i.i.d. paths sharing a node, as the delayed strategy stores them with `DraftTree.add_draw`) are
+first split back into one node per draw: the draws at a node, in their true draw order, are dealt in turn to the
+copies of the node, the same number to each copy. i.i.d. draws are exchangeable, so consecutive shares are
+distributed exactly as if each copy had drawn its own children. Trees whose copies cannot hold equal shares are
+refused.
 """
 from engine.tree import DraftTree
-from engine.verify.base import (MODES, Verdict, Verifier, VerificationError, child_draws, draw_list, multiplicities,
-                                multiplicity, residual)
+from engine.verify.base import MODES, Verdict, Verifier, VerificationError, child_draws, residual
 
 
 class Traversal(Verifier):
@@ -34,9 +34,9 @@ class Traversal(Verifier):
     child_modes = MODES
 
     def walk(self, tree, p, rng) -> Verdict:
-        real, table = None, multiplicities(tree)
-        if table is not None and any(multiplicity(tree, node, table) > 1 for node in range(1, len(tree))):
-            tree, real = split_duplicates(tree, rng)
+        real = None
+        if any(tree.multiplicity(node) > 1 for node in range(1, len(tree))):
+            tree, real = split_duplicates(tree)
             p = _Relabel(p, real)
         verdict = self._walk(tree, p, rng)
         if real is not None:
@@ -62,7 +62,7 @@ class Traversal(Verifier):
                 weight, resampled = (rest / ((1.0 - weight) + rest) if rest > 0 else 0.0), True
             if node > 0:
                 accept[node] = weight
-            if node == 0 or rng.uniform() < weight:
+            if node == 0 or rng.accept(weight):
                 return [node], rng.choice(dist), resampled
             return None
 
@@ -81,21 +81,18 @@ class _Relabel:
         return self.p[self.real[node]]
 
 
-def split_duplicates(tree: DraftTree, rng) -> tuple[DraftTree, list[int]]:
+def split_duplicates(tree: DraftTree) -> tuple[DraftTree, list[int]]:
     """One node per i.i.d. draw: returns the split tree and, per split node, the real node it copies."""
     split, real = DraftTree(root_token=tree.root_token), [0]
 
     def deal(node: int, copies: list[int]) -> None:
-        draws = draw_list(tree, node)
+        draws = tree.draw_order(node)
         if not draws:
             return
         mode = tree.child_mode.get(node, "topk")
         if len(draws) % len(copies) or (mode != "iid" and len(copies) > 1):
             raise VerificationError(f"traversal verification cannot split node {node}: {len(draws)} draws over "
                                     f"{len(copies)} copies")
-        for i in range(len(draws) - 1, 0, -1):  # uniformly random order (Fisher-Yates)
-            j = min(int(rng.uniform() * (i + 1)), i)
-            draws[i], draws[j] = draws[j], draws[i]
         share, copies_of = len(draws) // len(copies), {}
         for i, copy in enumerate(copies):
             split.child_dist[copy], split.child_mode[copy] = tree.child_dist[node], mode
