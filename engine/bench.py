@@ -49,7 +49,9 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
             raise ValueError("the hf-assisted baseline is benchmarked greedily only; drop it or use --temperature 0")
         return hf_assisted(pair, prompt, max_new_tokens)
     strategy = make_strategy(method, preset, **(params or {}).get(method, {}))
-    rule = make_verifier(verifier) if verifier and method != "ar" else None
+    # verifier: a rule's name, or a Verifier instance (scripts/rules_bench.py wraps rules to record acceptance)
+    rule = None if not verifier or method == "ar" else (
+        make_verifier(verifier) if isinstance(verifier, str) else verifier)
     result = Decoder(pair, strategy, rule, sampling).generate(prompt, max_new_tokens=max_new_tokens)
     return {"output_ids": result.output_ids, "new_tokens": len(result.output_ids),
             "total_s": result.metrics["total_s"], "result": result}
@@ -85,17 +87,30 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
                 log(f"  {set_name:5s} {entry['name'][:28]:28s} {method:11s} "
                     f"{out['new_tokens'] / out['total_s']:6.2f} tok/s{exact}")
         ar_tps = throughput(per_method["ar"])
+        ar_gbps = ar_bandwidth(pair, per_method["ar"])
         for method in methods:
             row = summarise(set_name, method, per_method[method], ar_tps)
+            row["ar_gbps"] = ar_gbps
             if not sampling.greedy:
                 row["exact_match_rate"] = None  # sampled outputs are not expected to equal AR's sample
             rows.append(row)
+    costs = pair.costs.to_dict() if pair.costs is not None else None
     return {"config": {"target": pair.target_name, "draft": pair.draft_name, "device": str(pair.device),
                        "dtype": str(pair.dtype).removeprefix("torch."), "max_new_tokens": max_new_tokens,
                        "repeats": repeats, "preset": preset, "prompt_set": prompt_set, "limit": limit,
                        "sampling": sampling.as_dict(), "verifier": verifier,
-                       "threads": torch.get_num_threads()},
+                       "threads": torch.get_num_threads(), "draft_vocab": pair.draft_vocab,
+                       "draft_quant": pair.draft_quant, "routing": pair.routing(), "costs": costs},
             "rows": rows}
+
+
+def ar_bandwidth(pair: ModelPair, ar_outs: list[dict]) -> float | None:
+    """GB/s AR achieved: the target's linear weight bytes per step ÷ AR's measured time per output token (TPOT,
+    prefill excluded). None without a cost table (it knows the bytes a step reads on the installed routing)."""
+    tpots = [o["result"].metrics["tpot_s"] for o in ar_outs if o["result"].metrics.get("tpot_s")]
+    if pair.costs is None or not tpots:
+        return None
+    return pair.costs.target.step_bytes / (sum(tpots) / len(tpots)) / 1e9
 
 
 def throughput(outs: list[dict]) -> float:
@@ -128,8 +143,8 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = (f"{'set':6s} {'method':12s} {'tok/s':>7s} {'speedup':>8s} {'L̄':>6s} {'ℓ̄':>6s} {'accept':>7s} "
-            f"{'#iter':>6s} {'TTFT s':>7s} {'TPOT s':>7s} {'exact':>6s}")
+    head = (f"{'set':6s} {'method':12s} {'tok/s':>7s} {'speedup':>8s} {'AR GB/s':>8s} {'L̄':>6s} {'ℓ̄':>6s} "
+            f"{'accept':>7s} {'#iter':>6s} {'TTFT s':>7s} {'TPOT s':>7s} {'exact':>6s}")
     lines = [head, "-" * len(head)]
 
     def fmt(value, spec):
@@ -138,9 +153,18 @@ def format_table(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         lines.append(
             f"{r['prompt_set']:6s} {r['method']:12s} {r['tokens_per_s']:7.2f} {r['speedup']:7.2f}× "
-            f"{fmt(r.get('mean_tokens_per_iter'), '6.2f')} {fmt(r.get('mean_accepted_len'), '6.2f')} "
+            f"{fmt(r.get('ar_gbps'), '8.1f')} {fmt(r.get('mean_tokens_per_iter'), '6.2f')} {fmt(r.get('mean_accepted_len'), '6.2f')} "
             f"{fmt(r.get('acceptance_rate'), '7.2f')} {fmt(r.get('iterations'), '6.1f')} "
             f"{fmt(r.get('ttft_s'), '7.3f')} {fmt(r.get('tpot_s'), '7.3f')} {fmt(r['exact_match_rate'], '6.2f')}")
+    costs = report.get("config", {}).get("costs")
+    if costs:
+        t16 = costs["t"].get(16, costs["t"].get("16"))  # int keys in memory, str keys once read back from JSON
+        line = f"cost table: c = {costs['c']:.3f}, t(16) = {t16:.2f}" if costs.get("c") is not None \
+            else f"cost table: t(16) = {t16:.2f}"
+        if costs.get("bandwidth_bytes_per_s"):
+            line += (f"; streaming-read bandwidth {costs['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+                     f"(AR GB/s = target weight bytes per step / AR's TPOT)")
+        lines += ["", line]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Command line: `python -m engine generate ...` and `python -m engine bench ...` (see --help of each)."""
+"""Command line: `python -m engine generate|bench|costs ...` (see --help of each)."""
 from __future__ import annotations
 
 import argparse
@@ -20,8 +20,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
     p.add_argument("--packed-weights", default="auto", choices=("auto", "on", "off"),
-                   help="pre-packed CPU weights for multi-row forwards (tree verification); auto = when memory allows")
-    p.add_argument("--preset", default="cpu", help="strategy parameter preset: cpu (default) | paper")
+                   help="give CPU linears a pre-packed oneDNN path, routed per row count by measured cost; "
+                        "auto = when memory allows")
+    p.add_argument("--draft-vocab", default="full",
+                   help="N | full: the draft scores only the N most frequent tokens (assets/vocab); default full")
+    p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4"),
+                   help="weight-only quantised path for the draft's linears (CPU), used where measured faster")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure the forward-cost table again instead of reading it from the cache")
+    p.add_argument("--preset", default="cpu",
+                   help="strategy parameter preset: cpu (default) | paper | auto (tree size from measured costs)")
 
 
 SAMPLING_FLAGS = {"temperature", "top_k", "top_p", "seed", "verifier"}
@@ -115,7 +123,8 @@ def _load(args):
         print(f"[{fraction * 100:5.1f}%] {message}", file=sys.stderr, flush=True)
 
     pair = load_pair(target, draft, dtype=args.dtype, device=args.device,
-                     trust_remote_code=args.trust_remote_code, packed=args.packed_weights, progress=progress)
+                     trust_remote_code=args.trust_remote_code, packed=args.packed_weights, progress=progress,
+                     draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, recalibrate=args.recalibrate)
     print(pair.describe(), file=sys.stderr)
     return pair
 
@@ -139,8 +148,11 @@ def cmd_generate(args) -> int:
     run = Decoder(pair, strategy, verifier, sampling).run(prompt, max_new_tokens=args.max_new_tokens, **stop)
     for record in run:
         if args.verbose:
+            cost = record.extra.get("cost")
+            vs = (f"  draft+verify predicted {cost['predicted_s'] * 1000:6.1f} / measured "
+                  f"{cost['measured_s'] * 1000:6.1f} ms" if cost else "")
             print(f"iter {record.index:4d}  drafted {record.drafted:4d}  accepted {record.accepted:3d}  "
-                  f"+{record.committed} tokens  {record.times['total'] * 1000:7.1f} ms", file=sys.stderr)
+                  f"+{record.committed} tokens  {record.times['total'] * 1000:7.1f} ms{vs}", file=sys.stderr)
     result = run.result
     if args.compare_ar:
         compare_with_ar(pair, result, prompt, args.max_new_tokens, **stop)
@@ -186,6 +198,16 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_costs(args) -> int:
+    from engine.costs import format_costs
+    pair = _load(args)
+    print(format_costs(pair.costs, pair.routing()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(pair.costs.to_dict(), indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -218,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(b)
     _add_strategy_params(b)
     b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("costs", help="the measured forward-cost table of a pair: c, t(n), routing, AR bandwidth")
+    _add_model_args(c)
+    c.add_argument("--json", help="write the table to this file")
+    c.set_defaults(func=cmd_costs)
     return parser
 
 

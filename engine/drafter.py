@@ -48,6 +48,7 @@ class Drafter:
         self.rows: dict[int, int] = {}  # tree node -> draft cache row
         self.forwards = 0
         self.seconds = 0.0
+        self.row_counts: list[int] = []  # rows of each draft forward this iteration (the cost model prices them)
 
     def expand(self, nodes: list[int]) -> torch.Tensor:
         """One draft forward over `nodes`; returns their processed next-token distributions q, float32 [k, V]."""
@@ -57,8 +58,10 @@ class Drafter:
             if nodes != [0]:
                 raise ValueError("the root must be expanded alone, before any other node")
             logits = self._forward_root()
+            self.row_counts.append(len(self.pending) + 1)
         else:
             logits = self._forward_nodes(nodes)
+            self.row_counts.append(len(nodes))
         probs = self.process(logits.float())
         synchronize(self.device)
         self.forwards += 1

@@ -52,7 +52,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from engine.kernels import PackingError, pack_linears, packed_dtype, should_pack
+from engine.costs import PairCosts, calibrate_pair
+from engine.kernels import (PackingError, check_quant_mode, pack_linears, packed_dtype, quantize_linears,
+                            route_linears, router_of, should_pack)
+from engine.vocab import VocabError, draft_vocab_ids, parse_draft_vocab, trim_head
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +149,38 @@ class ModelPair:
     dtype: torch.dtype
     target_name: str
     draft_name: str
-    packed: bool = False  # multi-row forwards use pre-packed oneDNN weights (engine/kernels.py)
+    packed: bool = False  # linears have a pre-packed oneDNN path (engine/kernels.py)
+    costs: PairCosts | None = None  # measured forward costs (engine/costs.py); None: not calibrated
+    draft_vocab: int | None = None  # the draft scores only this many frequent tokens (engine/vocab.py)
+    draft_quant: str = "none"  # weight-only quantised path of the draft's linears: none | int8 | int4
+
+    def routing(self) -> dict[str, str]:
+        """Kernel path per row count of each model, e.g. {"target": "packed 1+", "draft": "int4 1-3, packed 4+"}."""
+        out = {}
+        for role, model in (("target", self.target), ("draft", self.draft)):
+            router = router_of(model) if model is not None else None
+            if router is not None:
+                out[role] = router.describe()
+        return out
 
     def describe(self) -> str:
         attn = getattr(self.target.config, "_attn_implementation", "?")
         draft = self.draft_name if self.draft is not None else "none (autoregressive only)"
         dtype = str(self.dtype).removeprefix("torch.")
-        packed = " | packed weights" if self.packed else ""
-        return (f"target: {self.target_name} | draft: {draft} | device: {self.device} | dtype: {dtype} | "
-                f"attention: {attn}{packed}")
+        text = (f"target: {self.target_name} | draft: {draft} | device: {self.device} | dtype: {dtype} | "
+                f"attention: {attn}")
+        if self.packed:
+            text += " | packed weights"
+        if self.draft is not None and self.draft_vocab:
+            text += f" | draft vocabulary {self.draft_vocab}"
+        if self.draft is not None and self.draft_quant != "none":
+            text += f" | draft {self.draft_quant}"
+        routers = [router_of(m) for m in (self.target, self.draft) if m is not None]
+        if any(r is not None and len(r.paths) > 1 for r in routers):  # a choice was made: show it
+            text += " | routing " + "; ".join(f"{role}: {r}" for role, r in self.routing().items())
+        if self.costs is not None and self.costs.c is not None:
+            text += f" | c = {self.costs.c:.2f}, t(16) = {self.costs.t(16):.2f}"
+        return text
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -814,11 +840,16 @@ PAIRS: dict[str, tuple[str, str]] = {
 
 def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "auto",
               device: torch.device | str = "auto", trust_remote_code: bool = False,
-              packed: str = "auto", progress: Progress | None = None) -> ModelPair:
+              packed: str = "auto", progress: Progress | None = None, draft_vocab: int | str | None = None,
+              draft_quant: str = "none", calibrate: bool = True, recalibrate: bool = False) -> ModelPair:
     """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
 
-    packed: "auto" | "on" | "off" -- give multi-row CPU forwards pre-packed weights (engine/kernels.py); "auto"
-    does it on CPU in fp32 (or bf16 with native bf16) when the extra copy of the weights fits in free memory.
+    packed: "auto" | "on" | "off" -- give CPU linears a pre-packed oneDNN path (engine/kernels.py); "auto" does it
+    on CPU in fp32 (or bf16 with native bf16) when the extra copy of the weights fits in free memory.
+    draft_vocab: None / "full" or N -- the draft scores only the N most frequent tokens (engine/vocab.py).
+    draft_quant: "none" | "int8" | "int4" -- give the draft's linears a weight-only quantised path (CPU).
+    calibrate: measure (or read from the disk cache) each model's forward cost per row count and path, and route
+    every call to its fastest path (engine/costs.py); recalibrate measures again.
     """
     t0 = time.perf_counter()
     device = resolve_device(device)
@@ -836,16 +867,41 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
                                             progress=_span(progress, split, 1.0), role="draft", tokenizer=t_tok)
         check_rollbackable(d_model.config, d_name)
         check_same_vocab(t_model, t_tok, t_name, d_model, d_tok, d_name)
-    models = [m for m in (t_model, d_model) if m is not None]
-    native_bf16 = _cpu_has_fast_bf16()
+    pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name)
     try:
-        pack, why = should_pack(packed, models, device, dtype, native_bf16=native_bf16)
-    except PackingError as err:
+        prepare_kernels(pair, packed, draft_vocab, draft_quant, progress)
+        if calibrate:
+            pair.costs = calibrate_pair(pair, recalibrate, progress=lambda f, m: _say(progress, 1.0, m))
+    except (PackingError, VocabError) as err:
         raise ModelLoadError(str(err)) from None
+    _say(progress, 1.0, f"ready in {time.perf_counter() - t0:.1f} s: {pair.describe()}")
+    return pair
+
+
+def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | str | None = None,
+                    draft_quant: str = "none", progress: Progress | None = None) -> None:
+    """Trim the draft's head, then give the linears their kernel paths (routed later by measured cost).
+
+    The trim comes first so that the trimmed head's linear gets the packed / quantised paths like every other."""
+    vocab, quant = parse_draft_vocab(draft_vocab), check_quant_mode(draft_quant)
+    if pair.draft is None and (vocab or quant != "none"):
+        raise VocabError("--draft-vocab and --draft-quant need a draft model")
+    if vocab:
+        always = [*pair.eos_token_ids, *pair.tokenizer.get_added_vocab().values()]
+        trim_head(pair.draft, draft_vocab_ids(pair.tokenizer, vocab, always))
+        pair.draft_vocab = pair.draft.get_output_embeddings().vocab_rows
+    models = [m for m in (pair.target, pair.draft) if m is not None]
+    if pair.device.type == "cpu":
+        for m in models:
+            route_linears(m)
+    native_bf16 = _cpu_has_fast_bf16()
+    pack, why = should_pack(packed, models, pair.device, pair.dtype, native_bf16=native_bf16)
     _say(progress, 1.0, f"packing weights: {why}" if pack else why)  # the loads already reported 1.0
     if pack:
         for m in models:
-            pack_linears(m, packed_dtype(dtype, native_bf16))
-    pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, packed=pack)
-    _say(progress, 1.0, f"ready in {time.perf_counter() - t0:.1f} s: {pair.describe()}")
-    return pair
+            pack_linears(m, packed_dtype(pair.dtype, native_bf16))
+    pair.packed = pack
+    if quant != "none":
+        _say(progress, 1.0, f"quantising the draft's weights to {quant}")
+        quantize_linears(pair.draft, quant)
+        pair.draft_quant = quant

@@ -64,4 +64,34 @@ def test_rules_bench_script_measures_every_rule(tmp_path):
     assert {"naive", "block", "naive_tree", "specinfer", "spectr", "khisti", "traversal", "token_matching"} <= rules
     assert {r["temperature"] for r in rows} == {0.6, 1.0}
     assert all(r["block_efficiency"] >= 1.0 and r["tokens_per_s"] > 0 for r in rows)
+    for r in rows:  # the i.i.d. top-down rules record their acceptance next to Appendix C's rate at each branching
+        if r["rule"] in ("specinfer", "spectr", "khisti", "naive_tree") and r["tree"].startswith("iid"):
+            assert r["branching_nodes"] > 0 and 0 <= r["alpha_measured"] <= 1 and 0 <= r["alpha_theory"] <= 1
     assert "T=0.6" in proc.stdout and "T=1.0" in proc.stdout
+
+
+def test_costs_command_prints_the_table(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
+    out = tmp_path / "costs.json"
+    code = main(["costs", "--pair", "tiny-random", "--dtype", "fp32", "--packed-weights", "on", "--draft-quant",
+                 "int8", "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    for needle in ("target  packed", "draft   int8", "t(16)=", "c = draft step / target step", "routing target:",
+                   "GB/s", "streaming read"):
+        assert needle in text, needle
+    data = json.loads(out.read_text())
+    assert data["c"] > 0 and set(data["draft"]["seconds"]) == {"plain", "packed", "int8"}
+
+
+def test_bench_with_cheap_draft_and_auto_preset(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--strategies", "ar,dynatree", "--preset",
+                 "auto", "--draft-vocab", "128", "--draft-quant", "int4", "--prompt-set", "code", "--limit", "1",
+                 "--max-new-tokens", "12", "--json", str(out)])
+    assert code == 0
+    assert "AR GB/s" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["config"]["draft_vocab"] == 128 and report["config"]["draft_quant"] == "int4"
+    assert all(r["ar_gbps"] > 0 for r in report["rows"]) and report["config"]["preset"] == "auto"

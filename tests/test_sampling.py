@@ -6,7 +6,6 @@ itself), for every registered strategy with its default rule and for every rule 
 first token comes from the prefill, the second from the first speculative iteration. At T = 0 every strategy and
 every rule reproduce the greedy output exactly.
 """
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from chisq import chi_square_pvalue
 from engine.decoder import Decoder
+from engine.models import ModelPair
 from engine.sampling import Sampling, SamplingError
 from engine.strategies import STRATEGIES, make_strategy
 from engine.verify import VERIFIERS, VerificationError, make_verifier
@@ -86,8 +86,15 @@ def small_pair():
     with torch.no_grad():  # a related draft: close to the target, not equal
         for w in draft.parameters():
             w.add_(torch.randn_like(w) * 0.05 * w.std().clamp(min=1e-3))
-    return SimpleNamespace(target=target, draft=draft, tokenizer=ModTokenizer(), device=torch.device("cpu"),
-                           dtype=torch.float32, target_name="tiny-v8", draft_name="tiny-v8-draft", eos_token_ids=[])
+    return NoEosPair(target, draft, ModTokenizer(), torch.device("cpu"), torch.float32, "tiny-v8", "tiny-v8-draft")
+
+
+class NoEosPair(ModelPair):
+    """The engine's own pair type over the 8-token models; no end-of-sequence token, so runs never stop early."""
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return []
 
 
 def target_joint(pair) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 A strategy grows a `DraftTree` for one iteration by asking the `Drafter` to expand batches of nodes (one draft
 forward per batch). It declares its parameters (so the CLI and the app build their controls from them), a "cpu"
-preset tuned on a 2-core CPU and a "paper" preset with the source paper's values, and how it draws children
+preset tuned on a 2-core CPU, a "paper" preset with the source paper's values, an "auto" preset whose size knob
+(`auto_param`) the decoder retunes every iteration from the measured cost table, and how it draws children
 (which decides the verification rules that can check its trees losslessly when sampling).
 """
 from __future__ import annotations
@@ -60,7 +61,10 @@ class Strategy:
     label: ClassVar[str]
     summary: ClassVar[str]
     params: ClassVar[tuple[Param, ...]] = ()
-    presets: ClassVar[dict[str, dict[str, Any]]] = {}  # "cpu" (default values) and "paper"
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}  # "cpu" (default values), "paper", "auto"
+    # The size knob the "auto" preset tunes per iteration from measured costs (engine/autosize.py); None: the
+    # strategy has no single size knob and "auto" runs its starting values unchanged.
+    auto_param: ClassVar[str | None] = None
     uses_draft: ClassVar[bool] = True
     child_mode: ClassVar[str] = "topk"  # "topk" (deterministic), "iid", or "without_replacement"
     # Every mode its trees may contain (a strategy may mix them, e.g. a greedy trunk under i.i.d. branches).
@@ -68,10 +72,11 @@ class Strategy:
 
     def __init__(self, preset: str = "cpu", **overrides: Any):
         known = {p.name: p for p in self.params}
-        values = {p.name: p.default for p in self.params}
-        if preset not in self.presets:
-            raise StrategyError(f"{self.name} has no preset {preset!r}; choose from {sorted(self.presets)}")
-        values.update(self.presets[preset])
+        if preset not in self.preset_names():
+            raise StrategyError(f"{self.name} has no preset {preset!r}; choose from {self.preset_names()}")
+        values = self.preset_values(preset)
+        self.preset = preset
+        self.auto = preset == "auto" and self.auto_param is not None
         for key, value in overrides.items():
             if key not in known:
                 raise StrategyError(f"{self.name} has no parameter {key!r}; it takes {sorted(known)}")
@@ -79,6 +84,18 @@ class Strategy:
         self.config = {key: known[key].coerce(value) for key, value in values.items()}
         self.check()
         self.reset()
+
+    @classmethod
+    def preset_names(cls) -> list[str]:
+        return [*cls.presets, *(["auto"] if "auto" not in cls.presets else [])]
+
+    @classmethod
+    def preset_values(cls, preset: str) -> dict[str, Any]:
+        """Every parameter's value under `preset`. "auto" starts from the cpu values (unless a strategy declares its
+        own) and retunes auto_param as it runs."""
+        values = {p.name: p.default for p in cls.params}
+        values.update(cls.presets.get(preset, cls.presets.get("cpu", {})))
+        return values
 
     def check(self) -> None:
         """Cross-parameter validation; raise StrategyError with a clear message."""

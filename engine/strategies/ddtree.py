@@ -48,6 +48,7 @@ class DDTree(Strategy):
         Param("budget", 16, 1, 1024, 1, "B (node budget)", "drafted nodes per iteration"),
         Param("block", 5, 1, 64, 1, "L (block length)", "positions drafted = draft forwards per iteration"),
     )
+    auto_param = "budget"  # the size the "auto" preset tunes from measured costs
     presets = {
         "cpu": {"budget": 8, "block": 3},
         "paper": {"budget": 256, "block": 16},  # budgets 16..1024 swept; speedup peaks around 256-512 (Fig. 3)

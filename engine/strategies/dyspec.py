@@ -47,6 +47,7 @@ class DySpec(Strategy):
         Param("threshold", 0.02, 0.0, 1.0, 0.001, "threshold", "threshold variant: minimum slot value"),
         Param("dfs_order", False, label="DFS node order", help="renumber the tree depth-first (block-sparse masks)"),
     )
+    auto_param = "budget"  # the size the "auto" preset tunes from measured costs
     presets = {
         # On a CPU every draft forward counts: the paper's practical layer-by-layer version.
         "cpu": {"budget": 8, "max_depth": 6, "threshold_variant": True, "threshold": 0.02, "dfs_order": False},

@@ -12,6 +12,7 @@ class FixedTree(Strategy):
         Param("tau", 0.1, 0.0, 1.0, 0.01, "tau (pruning)", "drop nodes whose cumulative draft probability is below tau"),
         Param("budget", 32, 1, 1024, 1, "N_max (node budget)", "maximum drafted nodes per iteration"),
     )
+    auto_param = "budget"  # the size the "auto" preset tunes from measured costs
     presets = {
         "cpu": {"depth": 4, "branch": 2, "tau": 0.1, "budget": 32},
         "paper": {"depth": 8, "branch": 3, "tau": 0.1, "budget": 256},

@@ -17,6 +17,7 @@ class Linear(Strategy):
         Param("stop_below", 0.0, 0.0, 1.0, 0.01, "stop below (draft confidence)",
               "end the chain after a draft token with probability below this (0 = always K)"),
     )
+    auto_param = "k"  # the size the "auto" preset tunes from measured costs
     presets = {"cpu": {"k": 8, "stop_below": 0.5}, "paper": {"k": 5, "stop_below": 0.0}}
 
     def build(self, drafter, tree) -> None:

@@ -32,6 +32,7 @@ class SALF(Strategy):
               "stop when the batch's path-probability sum < th; 0 = optimal tree"),
         Param("max_depth", 8, 1, 64, 1, "max depth", "nodes at this depth are not expanded (64: no limit)"),
     )
+    auto_param = "n"  # the size the "auto" preset tunes from measured costs
     presets = {
         "cpu": {"n": 16, "b": 8, "th": 0.6, "max_depth": 8},
         "paper": {"n": 60, "b": 10, "th": 0.6, "max_depth": 64},

@@ -1,0 +1,354 @@
+"""Measured forward costs: what one target or draft forward of n rows costs on this machine, per kernel path.
+
+Speculative decoding pays off by L̄ / (t(n) + d·c) (DESIGN.md §7), and both c (draft step / target step) and t(n)
+(verifying n rows / target step) are properties of the CPU, the models and the kernels. So they are measured, once
+per (machine, model, dtype, torch version, threads), and cached on disk in cache_dir()/costs; `recalibrate=True`
+measures again.
+
+A measurement: fill a KV cache with a realistic prefix (PREFIX tokens), then time forwards of 1, 2, 4, ... 64 rows
+over it with the verification's additive mask, each path forced in turn (engine/kernels.py), fastest of REPEATS
+(after one discarded warm-up call per path). The cache is rolled back after each call, so every call sees the same
+prefix. On CUDA, timing synchronises the device and the only path is torch's own.
+
+The table then decides three things: the routing (each row count to its fastest path), the predicted cost of an
+iteration (Σ draft forwards at their row counts + verification at the tree's size), and the `auto` presets
+(engine/autosize.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine import kv
+from engine.drafter import synchronize
+from engine.kernels import PATHS, router_of, step_bytes
+
+LADDER = (1, 2, 4, 8, 16, 32, 64)
+PREFIX = 300
+REPEATS = 3
+FORMAT = 2  # bump when the meaning of a cached table changes
+_STREAM_BYTES = 1 << 30  # streaming-read probe: large enough to defeat every cache level
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# what a table is keyed by
+
+
+def _cpu_info() -> dict[str, str]:
+    info = {"name": "unknown", "flags": ""}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and info["name"] == "unknown":
+                info["name"] = value.strip()
+            elif key in ("flags", "Features") and not info["flags"]:
+                info["flags"] = value.strip()
+    except OSError:
+        pass
+    return info
+
+
+def machine(device: torch.device) -> dict:
+    """The hardware and software a measurement holds for. A virtualised CPU often reports only its family name
+    ("AMD EPYC"), so the instruction-set flags and core count are part of the identity too."""
+    if device.type == "cuda":
+        hw = {"gpu": torch.cuda.get_device_name(device)}
+    else:
+        cpu = _cpu_info()
+        hw = {"cpu": cpu["name"], "cpu_flags": hashlib.sha256(cpu["flags"].encode()).hexdigest()[:12],
+              "cores": os.cpu_count()}
+    return {**hw, "device": device.type, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def model_identity(model, name: str) -> str:
+    """Name + architecture + size + head: a different checkpoint, shape or trimmed vocabulary is another model."""
+    config = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else ""
+    digest = hashlib.sha256(config.encode()).hexdigest()[:12]
+    numel = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings()
+    vocab = getattr(head, "vocab_rows", None)
+    return f"{name}|{digest}|{numel}" + (f"|vocab {vocab}" if vocab else "")
+
+
+def table_key(model, name: str, dtype: torch.dtype, device: torch.device) -> dict:
+    return {"format": FORMAT, "model": model_identity(model, name), "dtype": str(dtype).removeprefix("torch."),
+            "prefix": PREFIX, "ladder": list(LADDER), **machine(device)}
+
+
+def _key_file(key: dict) -> Path:
+    from engine.models import cache_dir
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "costs" / f"{digest}.json"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# one model's table
+
+
+def interpolate(points: dict[int, float], rows: int) -> float:
+    """Seconds at `rows` from measured rungs: linear between rungs, linear extrapolation past the last two."""
+    xs = sorted(points)
+    if rows <= xs[0]:
+        return points[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if rows <= hi:
+            return points[lo] + (points[hi] - points[lo]) * (rows - lo) / (hi - lo)
+    lo, hi = xs[-2], xs[-1]
+    return points[hi] + max(points[hi] - points[lo], 0.0) * (rows - hi) / (hi - lo)
+
+
+@dataclass
+class ModelCosts:
+    """Median forward seconds of one model: seconds[path][rows]."""
+    name: str
+    seconds: dict[str, dict[int, float]]
+    measured: bool = False  # measured in this process (False: read from the disk cache)
+    step_bytes: int = 0  # linear weight bytes one single-row step reads on the installed routing
+    busy: float | None = None  # 1-minute load average per core when measured: above ~0.5 other work shared the CPU
+
+    def time(self, rows: int, path: str | None = None) -> float:
+        """Seconds of a forward of `rows` rows on `path` (default: the fastest path for that row count)."""
+        if path is not None:
+            return interpolate(self.seconds[path], rows)
+        return min(interpolate(points, rows) for points in self.seconds.values())
+
+    def best_path(self, rows: int) -> str:
+        return min(self.seconds, key=lambda p: interpolate(self.seconds[p], rows))
+
+    def routing(self, max_rows: int = LADDER[-1]) -> list[str]:
+        """The fastest path for each row count 1..max_rows (what a Router installs)."""
+        return [self.best_path(r) for r in range(1, max_rows + 1)]
+
+
+def measure(model, paths: list[str], ladder=LADDER, prefix: int = PREFIX, repeats: int = REPEATS
+            ) -> dict[str, dict[int, float]]:
+    """Seconds of a forward of each rung's row count over a `prefix`-token cache, per path: the fastest of
+    `repeats` calls. Paths take turns within each rung and each repeat is a whole sweep of the ladder, so drift of
+    the machine hits every path alike, and the minimum is kept because interference (another process, a page
+    fault) only ever adds time."""
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    # Deterministic ordinary-looking ids (cost does not depend on them; avoid the specials at the end of the vocab).
+    ids = (torch.arange(prefix + max(ladder), device=device) * 7919) % max(vocab - 512, 1)
+    cache = kv.new_cache(model)
+    router = router_of(model)
+    samples: dict[str, dict[int, list[float]]] = {p: {r: [] for r in ladder} for p in paths}
+    with torch.inference_mode():
+        model(input_ids=ids[None, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        try:
+            for path in paths:  # warm-up, discarded: first calls of a path allocate and pick kernels
+                _timed_forward(model, router, path, ids, prefix, ladder[0], cache)
+            for _ in range(repeats):  # whole sweeps: a burst of interference spoils one sweep, not every repeat
+                for rows in ladder:
+                    for path in paths:
+                        samples[path][rows].append(_timed_forward(model, router, path, ids, prefix, rows, cache))
+        finally:
+            if router is not None:
+                router.forced = None
+    return {p: {r: min(v) for r, v in by_rows.items()} for p, by_rows in samples.items()}
+
+
+def _timed_forward(model, router, path: str, ids: torch.Tensor, prefix: int, rows: int, cache) -> float:
+    """Seconds of one forward of `rows` rows on `path` after the cached prefix; the cache is rolled back after."""
+    device = ids.device
+    if router is not None:
+        router.forced = path
+    mask = _causal_mask(prefix, rows, model.dtype, device)
+    positions = torch.arange(prefix, prefix + rows, device=device)[None]
+    synchronize(device)
+    start = time.perf_counter()
+    model(input_ids=ids[None, prefix:prefix + rows], position_ids=positions, attention_mask=mask,
+          past_key_values=cache, use_cache=True)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    kv.keep_rows(cache, prefix, [])
+    return seconds
+
+
+def _causal_mask(prefix: int, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # The verification's mask format (a chain is a tree): cost includes building and applying an additive mask.
+    chain = torch.tril(torch.ones(rows, rows, dtype=torch.bool))
+    return kv.additive_mask(kv.tree_visibility(prefix, chain).to(device), dtype)
+
+
+def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, recalibrate: bool = False,
+                measure_fn=measure) -> ModelCosts:
+    """The model's table for the paths it has: from the disk cache where it holds them, else measured and saved."""
+    router = router_of(model)
+    paths = list(router.paths) if router is not None else ["plain"]
+    key = table_key(model, name, dtype, device)
+    file = _key_file(key)
+    stored: dict[str, dict[int, float]] = {}
+    busy = None
+    if file.is_file() and not recalibrate:
+        try:
+            data = json.loads(file.read_text())
+            if data.get("key") == key:
+                stored = {p: {int(r): s for r, s in v.items()} for p, v in data["seconds"].items()}
+                busy = data.get("busy")
+        except (OSError, ValueError, KeyError, AttributeError):
+            stored = {}  # a damaged cache entry is measured again
+    missing = [p for p in paths if set(stored.get(p, {})) != set(LADDER)]
+    if missing:
+        before = _busy()
+        stored.update(measure_fn(model, missing))
+        after = _busy()
+        busy = max(b for b in (before, after, busy) if b is not None) if before is not None else None
+        _write_json(file, {"key": key, "seconds": stored, "measured_at": time.time(), "busy": busy})
+    return ModelCosts(name, {p: stored[p] for p in paths}, measured=bool(missing), busy=busy)
+
+
+def _busy() -> float | None:
+    """1-minute load average per core beyond this process's own threads (None where the OS does not say)."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+    return max(load - torch.get_num_threads(), 0.0) / (os.cpu_count() or 1)
+
+
+def _write_json(file: Path, data: dict) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f".tmp-{file.name}-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, file)  # a crash never leaves half a table
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# memory bandwidth
+
+
+def stream_bandwidth(device: torch.device, nbytes: int = _STREAM_BYTES, repeats: int = 3) -> float:
+    """Bytes per second of a streaming read: the fastest of `repeats` sums of a `nbytes` fp32 tensor (every byte
+    read once, arithmetic negligible). This is the ceiling a memory-bound single-row step can approach."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    samples = []
+    for _ in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        x.sum()
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return nbytes / min(samples[1:])
+
+
+def machine_bandwidth(device: torch.device, recalibrate: bool = False) -> float:
+    """stream_bandwidth, cached per machine like the tables."""
+    key = {"format": FORMAT, "probe": "stream-sum-fp32", "bytes": _STREAM_BYTES, **machine(device)}
+    file = _key_file(key)
+    if file.is_file() and not recalibrate:
+        try:
+            data = json.loads(file.read_text())
+            if data.get("key") == key:
+                return float(data["bytes_per_s"])
+        except (OSError, ValueError, KeyError):
+            pass
+    value = stream_bandwidth(device)
+    _write_json(file, {"key": key, "bytes_per_s": value, "measured_at": time.time()})
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# a pair's costs and the cost model
+
+
+@dataclass
+class PairCosts:
+    target: ModelCosts
+    draft: ModelCosts | None
+    bandwidth: float | None = None  # streaming-read bytes per second of the machine
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step(self) -> float:
+        """Seconds of one target step (1 row): the unit of c and t(n)."""
+        return self.target.time(1)
+
+    @property
+    def c(self) -> float | None:
+        return self.draft.time(1) / self.step if self.draft is not None else None
+
+    def t(self, rows: int) -> float:
+        return self.target.time(rows) / self.step
+
+    def predict(self, draft_rows: list[int], verify_rows: int) -> dict[str, float]:
+        """Predicted seconds of an iteration: each draft forward at its row count + one verification."""
+        draft = sum(self.draft.time(r) for r in draft_rows) if self.draft is not None and draft_rows else 0.0
+        verify = self.target.time(verify_rows)
+        return {"draft_s": draft, "verify_s": verify, "total_s": draft + verify}
+
+    def ar_bandwidth(self) -> float:
+        """Bytes per second AR achieves: the target's linear weight bytes per step ÷ its measured step time."""
+        return self.target.step_bytes / self.step
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able summary (for bench reports and traces)."""
+        out = {"target": {"name": self.target.name, "seconds": self.target.seconds,
+                          "step_bytes": self.target.step_bytes},
+               "c": self.c, "t": {r: self.t(r) for r in LADDER},
+               "bandwidth_bytes_per_s": self.bandwidth, "ar_bytes_per_s": self.ar_bandwidth()}
+        if self.draft is not None:
+            out["draft"] = {"name": self.draft.name, "seconds": self.draft.seconds, "step_bytes": self.draft.step_bytes}
+        return out
+
+
+def calibrate_pair(pair, recalibrate: bool = False, progress=None, measure_fn=measure) -> PairCosts:
+    """Measure (or read) both models' tables, install each model's routing from its table, and return the costs."""
+    say = progress or (lambda fraction, message: None)
+    tables = {}
+    for role, model, name in (("target", pair.target, pair.target_name), ("draft", pair.draft, pair.draft_name)):
+        if model is None:
+            tables[role] = None
+            continue
+        say(0.0 if role == "target" else 0.6, f"measuring {role} forward costs (cached after the first time)")
+        costs = model_costs(model, name, pair.dtype, pair.device, recalibrate, measure_fn)
+        router = router_of(model)
+        if router is not None:
+            router.install(costs.routing())
+        costs.step_bytes = step_bytes(model)
+        tables[role] = costs
+    bandwidth = machine_bandwidth(pair.device, recalibrate)
+    return PairCosts(tables["target"], tables["draft"], bandwidth)
+
+
+def format_costs(costs: PairCosts, routing: dict[str, str] | None = None) -> str:
+    """The cost table as text: ms per path and row count, c, t(n), routing, and AR against the bandwidth bound."""
+    head = "model   path    " + "".join(f"{r:>8d}" for r in LADDER) + "   (ms per forward, rows)"
+    lines = [head, "-" * len(head)]
+    for role, table in (("target", costs.target), ("draft", costs.draft)):
+        if table is None:
+            continue
+        for path in PATHS:
+            if path in table.seconds:
+                cells = "".join(f"{table.seconds[path][r] * 1000:8.1f}" for r in LADDER)
+                lines.append(f"{role:7s} {path:7s} {cells}")
+        routed = "".join(f"{table.time(r) * 1000:8.1f}" for r in LADDER)
+        lines.append(f"{role:7s} {'routed':7s} {routed}")
+    lines.append("")
+    lines.append("t(n) = verify n rows / target step: " +
+                 "  ".join(f"t({r})={costs.t(r):.2f}" for r in LADDER))
+    if costs.c is not None:
+        lines.append(f"c = draft step / target step = {costs.draft.time(1) * 1000:.1f} / "
+                     f"{costs.step * 1000:.1f} ms = {costs.c:.3f}")
+    for role, text in (routing or {}).items():
+        lines.append(f"routing {role}: {text}")
+    ar = costs.ar_bandwidth()
+    line = (f"AR: {costs.target.step_bytes / 1e9:.2f} GB of linear weights per step in {costs.step * 1000:.1f} ms "
+            f"= {ar / 1e9:.1f} GB/s")
+    if costs.bandwidth:
+        line += (f"; streaming read (sum of a {_STREAM_BYTES >> 30} GiB fp32 tensor) {costs.bandwidth / 1e9:.1f} GB/s "
+                 f"-> {ar / costs.bandwidth:.0%} of the bound, which is "
+                 f"{costs.target.step_bytes / costs.bandwidth * 1000:.1f} ms per step")
+    lines.append(line)
+    busy = [t.busy for t in (costs.target, costs.draft) if t is not None and t.busy is not None]
+    if busy and max(busy) > 0.5:
+        lines.append(f"warning: measured while the CPU was busy (load average {max(busy):.1f} per core): other work "
+                     "inflated and distorted these times; rerun with --recalibrate on a quiet machine")
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Measured costs (engine/costs.py) and the auto preset (engine/autosize.py): cache identity, predictions from a
+table, routing installed at load, predicted vs measured cost in every record, auto sizing as the table says."""
+import json
+
+import pytest
+import torch
+
+from engine import costs as costs_mod
+from engine.costs import LADDER, ModelCosts, PairCosts, interpolate, model_costs
+from engine.decoder import Decoder
+from engine.kernels import router_of
+from engine.models import load_pair, tiny_random_pair
+from engine.strategies import STRATEGIES, make_strategy
+
+
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
+
+
+def table(f) -> dict[int, float]:
+    return {r: f(r) for r in LADDER}
+
+
+def test_interpolation_between_and_past_rungs():
+    points = {1: 1.0, 2: 2.0, 4: 2.0, 8: 6.0}
+    assert interpolate(points, 1) == 1.0 and interpolate(points, 3) == 2.0
+    assert interpolate(points, 6) == 4.0
+    assert interpolate(points, 12) == 10.0  # the last segment's slope, extended
+    assert interpolate({1: 2.0, 2: 1.0}, 5) == 1.0  # never extrapolates downward
+
+
+def test_predictions_from_a_synthetic_table():
+    target = ModelCosts("t", {"plain": table(lambda r: 0.1 + 0.01 * r)})
+    draft = ModelCosts("d", {"plain": table(lambda r: 0.02 + 0.001 * r)})
+    pair = PairCosts(target, draft)
+    assert pair.step == pytest.approx(0.11)
+    assert pair.c == pytest.approx(0.021 / 0.11)
+    assert pair.t(16) == pytest.approx(0.26 / 0.11)
+    predicted = pair.predict([3, 2, 4], 9)
+    assert predicted["draft_s"] == pytest.approx(0.023 + 0.022 + 0.024)
+    assert predicted["verify_s"] == pytest.approx(0.19)
+    assert predicted["total_s"] == pytest.approx(predicted["draft_s"] + predicted["verify_s"])
+    json.dumps(pair.to_dict())  # plain data for reports
+
+
+class Counter:
+    """A stand-in measurement that records each call (the cache tests are about identity, not timing)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, model, paths, **kw):
+        self.calls.append(list(paths))
+        return {p: table(lambda r: 0.001 * r) for p in paths}
+
+
+def test_cache_reused_and_invalidated_by_machine_model_dtype_torch(monkeypatch):
+    model = tiny_random_pair(None, seed=0).target
+    cpu = torch.device("cpu")
+    measure = Counter()
+    model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
+    model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
+    assert len(measure.calls) == 1  # second load read the disk cache
+    model_costs(model, "tiny", torch.bfloat16, cpu, measure_fn=measure)  # another dtype
+    model_costs(model, "other", torch.float32, cpu, measure_fn=measure)  # another model
+    other = tiny_random_pair(None, seed=0, num_layers=3).target  # same name, another architecture
+    model_costs(other, "tiny", torch.float32, cpu, measure_fn=measure)
+    assert len(measure.calls) == 4
+    real = costs_mod.machine
+    monkeypatch.setattr(costs_mod, "machine", lambda d: {**real(d), "cpu": "another CPU"})
+    model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
+    monkeypatch.setattr(costs_mod, "machine", lambda d: {**real(d), "torch": "9.9"})
+    model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
+    assert len(measure.calls) == 6
+    monkeypatch.setattr(costs_mod, "machine", real)
+    model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
+    assert len(measure.calls) == 6  # back on the first machine: its table is still there
+    model_costs(model, "tiny", torch.float32, cpu, recalibrate=True, measure_fn=measure)
+    assert len(measure.calls) == 7
+
+
+def test_a_new_path_is_measured_alone_and_merged():
+    pair = tiny_random_pair("related", seed=0, packed=True)
+    measure = Counter()
+    first = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
+    assert measure.calls == [["plain", "packed"]] and first.measured
+    from engine.kernels import quantize_linears
+    quantize_linears(pair.draft, "int8")
+    second = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
+    assert measure.calls[-1] == ["int8"] and set(second.seconds) == {"plain", "packed", "int8"}
+
+
+def test_calibration_measures_every_path_and_installs_routing():
+    pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="on", draft_quant="int8")
+    assert pair.costs is not None
+    assert set(pair.costs.target.seconds) == {"plain", "packed"}
+    assert set(pair.costs.draft.seconds) == {"plain", "packed", "int8"}
+    for model, table_ in ((pair.target, pair.costs.target), (pair.draft, pair.costs.draft)):
+        assert all(set(points) == set(LADDER) and min(points.values()) > 0 for points in table_.seconds.values())
+        router = router_of(model)
+        assert [router.path(r) for r in range(1, 65)] == table_.routing()
+    assert pair.costs.bandwidth > 0 and pair.costs.target.step_bytes > 0
+
+
+def synthetic_pair(verify, draft=lambda r: 1e-4) -> PairCosts:
+    return PairCosts(ModelCosts("t", {"plain": table(verify)}), ModelCosts("d", {"plain": table(draft)}))
+
+
+def test_records_carry_predicted_and_measured_cost():
+    pair = tiny_random_pair("related", seed=0)
+    pair.costs = synthetic_pair(lambda r: 0.01 * r)
+    result = Decoder(pair, make_strategy("dynatree")).generate("abc", max_new_tokens=12, stop_on_eos=False)
+    for it in result.iterations:
+        cost = it.extra["cost"]
+        assert cost["verify_rows"] == len([n for n in it.nodes if n.status != "bonus"])
+        assert len(cost["draft_rows"]) == it.draft_forwards
+        assert cost["predicted_verify_s"] == pytest.approx(0.01 * cost["verify_rows"])
+        assert cost["measured_s"] == pytest.approx(it.times["draft"] + it.times["verify"])
+    json.dumps(result.to_dict())
+
+
+def run_auto(name, costs, tokens=60):
+    pair = tiny_random_pair("identical", seed=0)  # every drafted token is accepted: size pays until cost says no
+    pair.costs = costs
+    strategy = make_strategy(name, "auto", stop_below=0.0)  # chains as long as k: only the sizer decides
+    result = Decoder(pair, strategy).generate("hello", max_new_tokens=tokens, stop_on_eos=False)
+    return strategy, result
+
+
+def test_auto_grows_the_tree_when_verification_is_flat():
+    strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05))
+    ks = [it.params["k"] for it in result.iterations]
+    assert ks[0] == STRATEGIES["linear"].presets["cpu"]["k"]
+    assert ks == sorted(ks) and ks[-1] > ks[0]  # each chain longer than the last
+
+
+def test_auto_stops_where_verification_gets_expensive():
+    # verifying up to 4 rows costs one step, 8 rows ten (5 rows 3.25 by interpolation): the best chain has 3
+    # drafted tokens (+ the root)
+    strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05 if r <= 4 else 0.5))
+    last = result.iterations[-1].extra["cost"]["auto"]
+    assert last["best_size"] == 3 and strategy.config["k"] == 4  # 25 % headroom above the best
+    assert result.iterations[-1].params["k"] == 4
+
+
+def test_auto_preset_exists_for_every_strategy():
+    for name, cls in STRATEGIES.items():
+        strategy = make_strategy(name, "auto")
+        assert strategy.auto == (cls.auto_param is not None)
+        if cls.auto_param is not None:
+            assert cls.auto_param in strategy.config
+    # without a cost table the auto preset runs its starting values unchanged
+    pair = tiny_random_pair("related", seed=0)
+    result = Decoder(pair, make_strategy("dynatree", "auto")).generate("abc", max_new_tokens=10, stop_on_eos=False)
+    assert {it.params["budget"] for it in result.iterations} == {STRATEGIES["dynatree"].presets["cpu"]["budget"]}
+
+
+def test_truncated_tree_counts_tokens_and_draft_levels():
+    from engine.autosize import Sample, truncated
+    # root 0 -> 1, 2; 1 -> 3, 4; 3 -> 5. Accepted path 1, 3, 5. Forwards made: root (3 rows with 2 pending), [1, 2],
+    # [3, 4], [5].
+    sample = Sample(parents=[-1, 0, 0, 1, 1, 3], depths=[0, 1, 1, 2, 2, 3], accepted=[1, 3, 5], first_rows=3,
+                    draft_rows=[3, 2, 2, 1], overhead_s=0.5)
+    costs = synthetic_pair(lambda r: float(r), draft=lambda r: 0.1 * r)
+    assert truncated(sample, 5, costs) == (4, pytest.approx(0.3 + 0.2 + 0.2 + 0.1 + 6 + 0.5))  # as made
+    # first 3 nodes: 1, 2 (children of the root) and 3 (child of 1): levels root (3 rows) and [1] (1 row)
+    assert truncated(sample, 3, costs) == (3, pytest.approx(0.3 + 0.1 + 4 + 0.5))
+    assert truncated(sample, 1, costs) == (2, pytest.approx(0.3 + 2 + 0.5))

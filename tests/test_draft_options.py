@@ -1,0 +1,201 @@
+"""Cheap drafts (trimmed vocabulary head, int8 / int4 weights): they change only the proposals, never the output.
+
+Greedy: every strategy reproduces the fp32 target's own greedy output with a trimmed and/or quantised draft.
+Sampling: with a draft head trimmed to 5 of 8 tokens (q is zero on the other 3), the joint distribution of the first
+two emitted tokens still matches the target's exact joint for every sampling rule (chi-square), and the excluded
+tokens do get emitted: through the residual / bonus draw, with the target's probability.
+"""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from chisq import chi_square_pvalue
+from engine.decoder import Decoder
+from engine.drafter import Drafter
+from engine.models import ModelLoadError, load_pair
+from engine.sampling import Sampling
+from engine.strategies import STRATEGIES, make_strategy
+from engine.verify import VERIFIERS, VerificationError, make_verifier
+from engine.vocab import TrimmedHead, build_table, draft_vocab_ids, frequency_table, tokenizer_fingerprint, trim_head
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TREEVIZ_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference(cache):
+    pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="off", calibrate=False)
+    return {prompt: Decoder(pair, make_strategy("ar")).generate(prompt, max_new_tokens=40,
+                                                                 stop_on_eos=False).output_ids
+            for prompt in PROMPTS}
+
+
+PROMPTS = ("def f(x):\n    return", "The cat sat on")
+OPTIONS = [dict(draft_vocab=96), dict(draft_quant="int8"), dict(draft_quant="int4"),
+           dict(draft_vocab=128, draft_quant="int4")]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_every_strategy_is_exact_with_a_cheap_draft(reference, options):
+    pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="on", **options)
+    assert pair.costs is not None and pair.describe()
+    for name in STRATEGIES:
+        for prompt in PROMPTS:
+            result = Decoder(pair, make_strategy(name)).generate(prompt, max_new_tokens=40, stop_on_eos=False)
+            assert result.output_ids == reference[prompt], (name, options, prompt)
+
+
+def test_quantised_draft_routes_its_rows_to_int_paths_where_forced(reference):
+    pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="off", draft_quant="int4")
+    router = pair.draft.kernel_router
+    router.install(["int4"] * 64)  # every draft call on the quantised kernel, whatever the table says
+    result = Decoder(pair, make_strategy("dynatree")).generate(PROMPTS[0], max_new_tokens=40, stop_on_eos=False)
+    assert result.output_ids == reference[PROMPTS[0]]
+
+
+def test_trimmed_draft_proposes_only_its_vocabulary(cache):
+    pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="off", calibrate=False, draft_vocab=80)
+    head = pair.draft.get_output_embeddings()
+    assert isinstance(head, TrimmedHead) and pair.draft_vocab == head.vocab_rows == 80
+    allowed = set(head.ids.tolist())
+    assert set(pair.eos_token_ids) <= allowed  # the draft can always propose the end of the text
+    result = Decoder(pair, make_strategy("dynatree")).generate("hello world", max_new_tokens=30, stop_on_eos=False)
+    drafted = {n.token for it in result.iterations for n in it.nodes if n.status not in ("root", "bonus")}
+    assert drafted and drafted <= allowed
+    # and q as every rule sees it: zero outside V′, a distribution over V′
+    drafter = Drafter(pair.draft)
+    from engine.tree import DraftTree
+    tree = DraftTree(root_token=104)
+    drafter.begin(tree, [104, 101, 108, 108, 104])
+    with torch.inference_mode():
+        q = drafter.expand([0])[0]
+    outside = torch.ones_like(q, dtype=torch.bool)
+    outside[head.ids] = False
+    assert q[outside].abs().sum() == 0 and torch.isclose(q.sum(), torch.tensor(1.0))
+
+
+def test_frequency_table_built_from_python_sources_and_cached(cache):
+    from engine.models import tiny_tokenizer
+    tok = tiny_tokenizer()
+    table = build_table(tok, max_chars=200_000)
+    assert table["fingerprint"] == tokenizer_fingerprint(tok)
+    ids = table["ids"]
+    assert ids[0] == ord(" ") and len(set(ids)) == len(ids)  # source code: the space byte is most frequent
+    first = frequency_table(tok)
+    assert frequency_table(tok) == first  # second call reads the cached file
+    chosen = draft_vocab_ids(tok, 70, always=[256, 259])
+    assert len(chosen) == 70 and {256, 259} <= set(chosen)
+
+
+def test_committed_table_matches_its_tokenizer():
+    from engine.vocab import ASSETS
+    files = list(ASSETS.glob("*.json"))
+    assert files, "assets/vocab holds the default tokenizer's table (scripts/make_vocab_table.py)"
+    for file in files:
+        data = json.loads(file.read_text())
+        assert file.stem == data["fingerprint"] and len(data["ids"]) == len(set(data["ids"])) > 1000
+        assert file.stat().st_size < 400_000
+
+
+def test_bad_draft_options_are_refused(cache):
+    with pytest.raises(ModelLoadError, match="at least 64"):
+        load_pair("tiny-random", "tiny-random", dtype="fp32", calibrate=False, draft_vocab=10)
+    with pytest.raises(ModelLoadError, match="'full' or a token count"):
+        load_pair("tiny-random", "tiny-random", dtype="fp32", calibrate=False, draft_vocab="most")
+    with pytest.raises(ModelLoadError, match="need a draft"):
+        load_pair("tiny-random", None, dtype="fp32", calibrate=False, draft_quant="int8")
+
+
+# -- sampling with a trimmed q: an 8-token pair whose draft scores only tokens 0..4 ---------------------------------
+V, PROMPT, ALPHA, RUNS = 8, "abcab", 1e-3, 300
+KEPT = [0, 1, 2, 3, 4]
+SAMPLING = dict(temperature=1.0)
+SMALL = {"linear": {"k": 2}, "fixed": {"depth": 2, "branch": 2}, "dynatree": {"budget": 6, "d0": 2, "d_max": 3},
+         "dyspec": {"budget": 6, "max_depth": 2}, "salf": {"n": 6, "b": 3, "max_depth": 2},
+         "eagle2": {"n": 6, "k": 2, "depth": 2}, "ddtree": {"budget": 6, "block": 2},
+         "delayed": {"k": 2, "l1": 1, "l2": 1}}
+
+
+class ModTokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % V for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + int(i)) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def trimmed_pair():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    target, draft = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
+    draft.load_state_dict(target.state_dict())
+    with torch.no_grad():
+        for w in draft.parameters():
+            w.add_(torch.randn_like(w) * 0.05 * w.std().clamp(min=1e-3))
+    trim_head(draft, KEPT)
+    return SimpleNamespace(target=target, draft=draft, tokenizer=ModTokenizer(), device=torch.device("cpu"),
+                           dtype=torch.float32, target_name="tiny-v8", draft_name="tiny-v8-trimmed",
+                           eos_token_ids=[], costs=None)
+
+
+def target_joint(pair) -> np.ndarray:
+    process = Sampling(**SAMPLING).process
+    ids = ModTokenizer()(PROMPT)["input_ids"]
+    with torch.no_grad():
+        first = process(pair.target(torch.tensor([ids])).logits[0, -1]).double()
+        joint = np.zeros((V, V))
+        for y in range(V):
+            second = process(pair.target(torch.tensor([ids + [y]])).logits[0, -1]).double()
+            joint[y] = (first[y] * second).numpy()
+    return joint.reshape(-1)
+
+
+def compatible(name: str) -> list[str]:
+    rules = []
+    for rule, cls in VERIFIERS.items():
+        try:
+            if not cls.greedy_only:
+                cls().check_strategy(make_strategy(name, **SMALL.get(name, {})))
+                rules.append(rule)
+        except VerificationError:
+            pass
+    return rules
+
+
+# Every sampling rule, each on the first of these strategies that it can check.
+CASES = []
+for _rule in VERIFIERS:
+    for _host in ("fixed", "delayed", "linear", "dyspec"):
+        if _host in STRATEGIES and _rule in compatible(_host):
+            CASES.append((_host, _rule))
+            break
+
+
+@pytest.mark.parametrize("name,rule", CASES)
+def test_sampling_with_a_trimmed_q_follows_the_target(trimmed_pair, name, rule):
+    counts = np.zeros(V * V, dtype=np.int64)
+    for seed in range(RUNS):
+        params = dict(SMALL.get(name, {}))
+        if any(p.name == "seed" for p in STRATEGIES[name].params):
+            params["seed"] = seed
+        decoder = Decoder(trimmed_pair, make_strategy(name, **params), make_verifier(rule),
+                          Sampling(**SAMPLING, seed=seed))
+        out = decoder.generate(PROMPT, max_new_tokens=2, stop_on_eos=False).output_ids
+        counts[out[0] * V + out[1]] += 1
+    joint = target_joint(trimmed_pair)
+    second = counts.reshape(V, V).sum(axis=0)
+    assert second[[t for t in range(V) if t not in KEPT]].sum() > 0  # tokens the draft cannot propose are emitted
+    pvalue = chi_square_pvalue(counts, joint)
+    assert pvalue > ALPHA, f"{name} with {rule}: chi-square p = {pvalue:.2g}"
