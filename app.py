@@ -5,19 +5,25 @@
     python app.py --port 7860 --host 0.0.0.0
 
 TREEVIZ_PAIR=tiny-random works like --pair. The gallery traces and trace uploads work before any model loads.
+On a ZeroGPU Space (SPACES_ZERO_GPU set) the pair is loaded at import time and placed on `cuda`, as ZeroGPU requires;
+decoding then runs inside `spaces.GPU` (treeviz/handlers.py).
 """
 from __future__ import annotations
+
+from treeviz.gpu import on_zero_gpu  # first: on a Space, `spaces` must be imported before torch
 
 import argparse
 import logging
 import os
 
+from treeviz.backend import BACKEND, GPU_PRESET
 from treeviz.ui import build_demo, launch_kwargs
 
 
 def parse_args(argv=None):
+    default_pair = GPU_PRESET if on_zero_gpu() else "default"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default=os.environ.get("TREEVIZ_PAIR", "default"),
+    parser.add_argument("--pair", default=os.environ.get("TREEVIZ_PAIR", default_pair),
                         help="model pair to load first: default, tiny-random, or 'target + draft' hub ids")
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
@@ -28,7 +34,9 @@ def parse_args(argv=None):
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    demo = build_demo(initial_pair=args.pair, load_on_start=not args.no_preload)
+    if on_zero_gpu():  # ZeroGPU moves what is on `cuda` at startup into each GPU worker: load before launching
+        BACKEND.pairs.load(args.pair, device="cuda")
+    demo = build_demo(initial_pair=args.pair, load_on_start=not args.no_preload and not on_zero_gpu())
     demo.queue(default_concurrency_limit=4)
     demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
 

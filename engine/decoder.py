@@ -1,4 +1,4 @@
-"""The decoding loop (DESIGN.md §2): draft a tree, verify it in one target forward, commit, repeat.
+"""The decoding loop (ARCHITECTURE.md): draft a tree, verify it in one target forward, commit, repeat.
 
     run = Decoder(pair, make_strategy("dynatree")).run("def fib(n):", max_new_tokens=64)
     for record in run:          # one IterationRecord per target verification pass, while decoding
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine import kv
+from engine.autosize import AutoSizer
 from engine.drafter import Drafter, softmax_processor, synchronize
 from engine.metrics import run_metrics
 from engine.strategies.base import Strategy
@@ -89,10 +90,36 @@ class DecodeRun:
     stop: StopRule
     result: RunResult | None = field(default=None, init=False)
     generated: list[int] = field(default_factory=list, init=False)  # committed output tokens so far
+    # what snapshot() needs while decoding (prompt ids, records, sources, ttft); set after the prefill
+    progress: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    started: float = field(default=0.0, init=False, repr=False)  # perf_counter() when decoding began
+    # Seconds the consumer held the run between steps (drawing figures, streaming): not decoding time, so the
+    # run's wall time (tokens/s, TPOT) leaves them out and a streamed run compares fairly with a silent AR run.
+    paused_s: float = field(default=0.0, init=False)
+    _paused_at: float | None = field(default=None, init=False, repr=False)
 
     def __iter__(self):
-        with torch.inference_mode():
-            yield from self.decoder._decode(self)
+        # Inference mode per step, not across yields: a consumer (a Gradio generator handler) may resume this
+        # generator on a different thread each time, and grad mode is thread-local.
+        steps = self.decoder._decode(self)
+        while True:
+            with torch.inference_mode():
+                record = next(steps, None)
+            if record is None:
+                return
+            self._paused_at = time.perf_counter()
+            yield record
+            self.paused_s += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    def snapshot(self) -> RunResult | None:
+        """The run so far as a RunResult: metrics over the iterations done, decoding wall time up to the last step
+        (None before the prefill; the final result once decoding has ended). Lists are copied: the run keeps
+        growing its own."""
+        if self.result is not None or self.progress is None:
+            return self.result
+        now = self._paused_at or time.perf_counter()
+        return self.decoder._result(self, reason="", total=now - self.started - self.paused_s, **self.progress)
 
 
 class Decoder:
@@ -151,35 +178,48 @@ class Decoder:
         sources: list[dict[str, Any]] = []
         first, reason = run.stop.cut(tok, generated, [verdict.bonus])
         generated += first
-        sources.append({"iteration": -1, "kind": "prefill", "margin": _margins(prefill_logits)[0]})
+        sources.append({"iteration": -1, "kind": "prefill", "margin": _margins(prefill_logits)[0],
+                        "text": tok.decode(first)})
         synchronize(device)
         ttft = time.perf_counter() - start
 
+        # The "auto" preset: the strategy's size knob follows the measured costs and this run's acceptance.
+        sizer = AutoSizer(strategy, pair.costs) if strategy.auto and pair.costs is not None and drafter else None
         records: list[IterationRecord] = []
+        run.progress, run.started = {"prompt_ids": prompt_ids, "records": records, "sources": sources,
+                                     "ttft": ttft}, start
         while not reason:
             record, new, reason = self._iteration(len(records), prompt_ids + generated, generated, run.stop,
                                                   target_cache, drafter, generator)
+            if sizer is not None:
+                sizer.observe(record)
+                record.extra["cost"]["auto"] = sizer.last
             generated += new
             margins = record.extra.pop("margins")
             for i in range(len(new)):
                 kind = "accepted" if i < record.accepted else "bonus"
-                sources.append({"iteration": record.index, "kind": kind, "margin": margins[i]})
+                sources.append({"iteration": record.index, "kind": kind, "margin": margins[i],
+                                "text": tok.decode([new[i]])})
             records.append(record)
             yield record
         synchronize(device)
-        total = time.perf_counter() - start
+        total = time.perf_counter() - start - run.paused_s
+        run.result = self._result(run, prompt_ids, records, sources, ttft, reason, total)
 
-        run.result = RunResult(
+    def _result(self, run: DecodeRun, prompt_ids, records, sources, ttft, reason, total) -> RunResult:
+        """The run as a RunResult: at the end of decoding, and for DecodeRun.snapshot() while it goes on."""
+        pair, strategy, generated = self.pair, self.strategy, list(run.generated)
+        return RunResult(
             prompt=prompt_text(run.prompt), prompt_ids=prompt_ids, output_ids=generated,
-            output_text=tok.decode(generated, skip_special_tokens=False),
-            strategy=strategy.name, params=strategy.config,
+            output_text=pair.tokenizer.decode(generated, skip_special_tokens=False),
+            strategy=strategy.name, params=dict(strategy.config),
             config={"target": pair.target_name, "draft": pair.draft_name if strategy.uses_draft else None,
-                    "device": str(device), "dtype": str(pair.dtype).removeprefix("torch."),
-                    "verifier": self.verifier.name, "sampling": sampling.as_dict(),
+                    "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
+                    "verifier": self.verifier.name, "sampling": self.sampling.as_dict(),
                     "max_new_tokens": run.stop.max_new_tokens,
                     "stop_on_eos": bool(run.stop.eos_ids), "stop_strings": list(run.stop.stop_strings)},
-            iterations=records, metrics=run_metrics(records, len(generated), total, ttft),
-            stop_reason=reason, token_sources=sources)
+            iterations=list(records), metrics=run_metrics(records, len(generated), total, ttft),
+            stop_reason=reason, token_sources=list(sources))
 
     def _iteration(self, index, committed, generated, stop, target_cache, drafter, generator=None):
         pair, strategy, target, device = self.pair, self.strategy, self.pair.target, self.pair.device
@@ -221,7 +261,18 @@ class Decoder:
         record.draft_forwards = drafter.forwards if drafter is not None else 0
         record.times = {"draft": draft_s, "build": t1 - t0 - draft_s, "verify": t2 - t1, "commit": t3 - t2,
                         "other": t4 - t3, "total": t4 - t0}
+        if pair.costs is not None:
+            record.extra["cost"] = self._cost(drafter.row_counts if drafter is not None else [], len(tree),
+                                              record.times)
         return record, new, reason
+
+    def _cost(self, draft_rows: list[int], verify_rows: int, times: dict[str, float]) -> dict:
+        """Predicted (from the measured cost table) beside measured seconds of this iteration's draft and verify."""
+        predicted = self.pair.costs.predict(draft_rows, verify_rows)
+        return {"draft_rows": list(draft_rows), "verify_rows": verify_rows,
+                "predicted_draft_s": predicted["draft_s"], "predicted_verify_s": predicted["verify_s"],
+                "predicted_s": predicted["total_s"], "measured_draft_s": times["draft"],
+                "measured_verify_s": times["verify"], "measured_s": times["draft"] + times["verify"]}
 
     def _record(self, index, root_pos, tree, verdict, logits, new, params) -> IterationRecord:
         tok = self.pair.tokenizer
@@ -250,7 +301,7 @@ class Decoder:
                 id=i, parent=parent, token=token, text=tok.decode([token]), depth=tree.depths[i],
                 q=tree.q[i] if i else None, rank=tree.ranks[i] if i else None, path_q=tree.path_q[i],
                 p=target_prob(parent, token) if i else None, status=status,
-                accept_prob=verdict.accept_prob.get(i)))
+                accept_prob=verdict.accept_prob.get(i), draws=tree.multiplicity(i) if i else 1))
         last = path[-1]
         bonus_q = float(tree.child_dist[last][verdict.bonus]) if last in tree.child_dist else None
         nodes.append(NodeRecord(

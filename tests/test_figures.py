@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.trace import IterationRecord, NodeRecord, load_run
+from engine.metrics import run_metrics
+from engine.trace import IterationRecord, NodeRecord, RunResult, load_run
 from treeviz import figures as F
 from treeviz.layout import children_map, tidy_layout
 
@@ -172,21 +173,50 @@ def test_tokens_html_escapes_and_marks_provenance():
     assert "tv-sel" in html and "iteration 1" in html
     pieces = F.token_pieces(run)
     assert [p["kind"] for p in pieces] == [s["kind"] for s in run.token_sources]
+    assert [p["text"] for p in pieces] == [s["text"] for s in run.token_sources]  # the engine's text, per token
     run.prompt = "<script>alert(1)</script>"
     assert "<script>" not in F.tokens_html(run)
 
 
-def test_charts_and_badge():
+def make_run(its, tokens_per_s=10.0, comparison=None) -> RunResult:
+    """A RunResult over synthetic iterations, its metrics from engine.metrics (as the decoder computes them)."""
+    new_tokens = 1 + sum(it.committed for it in its)
+    return RunResult(prompt="p", prompt_ids=[1], output_ids=[0] * new_tokens, output_text="", strategy="x",
+                     params={}, config={}, iterations=its, comparison=comparison,
+                     metrics={**run_metrics(its, new_tokens, new_tokens / tokens_per_s, 0.01)})
+
+
+def test_charts_read_the_runs_metrics():
     its = [make_iteration(index=i, n=10, seed=i) for i in range(4)]
-    run = {"iterations": its, "metrics": {"tokens_per_s": 10.0}, "strategy": "x",
-           "comparison": {"exact_match": False, "first_divergence": 5, "reference_margin": 0.01}}
+    run = make_run(its, comparison={"exact_match": False, "first_divergence": 5, "reference_margin": 0.01})
     fig = F.charts_figure(run, selected=2)
-    names = {t.name for t in fig.data}
-    assert {"L̄ running mean", "acceptance rate", "P(ℓ ≥ d)", "draft", "verify"} <= names
-    assert "differs from AR from token 5" in F.badge_html(run["comparison"])
+    by_name = {t.name: t for t in fig.data}
+    lbar = next(t for name, t in by_name.items() if name.startswith("L̄ ="))
+    assert list(lbar.y) == [run.metrics["mean_tokens_per_iter"]] * 2
+    assert list(by_name["P(ℓ ≥ d)"].y) == run.metrics["per_depth_acceptance"]
+    assert {"acceptance rate", "draft", "verify"} <= set(by_name)
+    total = F.charts_figure(run, stage_mode="total")
+    verify = next(t for t in total.data if t.name == "verify")
+    assert list(verify.y) == [run.metrics["stage_s"]["verify"] * 1000]
+    html = F.metrics_html(run)
+    assert f"{run.metrics['mean_tokens_per_iter']:.2f}" in html and f"{run.metrics['acceptance_rate']:.2f}" in html
+
+
+def test_badge_and_throughput():
+    run = make_run([make_iteration(index=i, n=10, seed=i) for i in range(4)],
+                   comparison={"exact_match": False, "first_divergence": 5, "reference_margin": 0.01})
+    assert "differs from AR from token 5" in F.badge_html(run.comparison)
     assert "matches AR" in F.badge_html({"exact_match": True, "compared_tokens": 9})
-    tp = F.throughput_figure(run, {"metrics": {"tokens_per_s": 5.0}})
-    assert "2.00×" in tp.layout.title.text
+    tp = F.throughput_figure(run, make_run([make_iteration()], tokens_per_s=5.0))
+    assert "speedup" in tp.layout.title.text and f"{run.metrics['tokens_per_s'] / 5.0:.2f}×" in tp.layout.title.text
+
+
+def test_text_of_a_trace_without_token_texts_is_shown_whole():
+    run = make_run([make_iteration()])
+    run.output_text = "old <trace>"
+    pieces = F.token_pieces(run)
+    assert pieces == [{"text": "old <trace>", "kind": "prefill", "iteration": -1, "margin": None}]
+    assert "old &lt;trace&gt;" in F.tokens_html(run)
 
 
 def test_gallery_traces_small_and_loadable():
@@ -202,3 +232,12 @@ def test_gallery_traces_small_and_loadable():
 def test_figures_do_not_import_torch():
     code = "import sys, treeviz.figures, treeviz.layout; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_hover_says_how_many_draws_a_merged_node_stands_for():
+    it = make_iteration(n=8, seed=2)
+    it.nodes[1].draws = 3
+    fig = F.tree_figure(it)
+    hovers = [h for t in node_traces(fig) for h in t.hovertext]
+    assert sum("drawn 3× at its parent" in h for h in hovers) == 1
+    assert not any("drawn 1×" in h for h in hovers)

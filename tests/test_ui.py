@@ -9,8 +9,9 @@ import pytest
 gradio_client = pytest.importorskip("gradio_client")
 from gradio_client import Client, handle_file  # noqa: E402
 
+from engine.strategies import STRATEGIES  # noqa: E402
 from test_ui_support import app_url, backend  # noqa: E402
-from treeviz.ui import FIXED_RUN_INPUTS, verifier_choices  # noqa: E402
+from treeviz.controls import verifier_choices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GALLERY = sorted((ROOT / "assets" / "traces").glob("*.json"))
@@ -23,6 +24,10 @@ def client():
     return Client(app_url(), verbose=False)
 
 
+def is_plot(value) -> bool:
+    return isinstance(value, dict) and value.get("type") == "plotly"  # not a skipped (unchanged) output
+
+
 def plot_data(value) -> dict:
     assert isinstance(value, dict) and value.get("type") == "plotly", value
     return json.loads(value["plot"])
@@ -30,17 +35,6 @@ def plot_data(value) -> dict:
 
 def tree_nodes(value) -> int:
     return sum(len(t.get("x", [])) for t in plot_data(value)["data"] if "markers" in t.get("mode", ""))
-
-
-def run_kwargs(params: dict):
-    """kwargs for /run: the strategy parameters go by their position in the flat control list."""
-    from treeviz.ui import param_controls_spec
-    spec = param_controls_spec()
-    out = {}
-    for (strategy, name), value in params.items():
-        index = next(i for i, (s, p) in enumerate(spec) if s == strategy and p.name == name)
-        out[f"param_{FIXED_RUN_INPUTS + index}"] = value
-    return out
 
 
 def test_run_prompt_gives_tree_and_metrics(client):
@@ -51,7 +45,8 @@ def test_run_prompt_gives_tree_and_metrics(client):
     assert "AR" in out[BADGE]
     assert out[SCRUBBER]["maximum"] >= 1
     names = {t.get("name") for t in plot_data(out[CHARTS])["data"]}
-    assert "L̄ running mean" in names
+    trace = json.loads(Path(out[DOWNLOAD]).read_text())
+    assert f"L̄ = {trace['metrics']['mean_tokens_per_iter']:.2f} (run)" in names  # the engine's L̄, not a re-count
     assert len(plot_data(out[THROUGHPUT])["data"][0]["x"]) == 2  # the run beside AR, same session
     trace = json.loads(Path(out[DOWNLOAD]).read_text())  # downloadable trace replays with engine.trace
     assert trace["schema_version"] and trace["iterations"] and trace["comparison"]["exact_match"] is True
@@ -66,9 +61,35 @@ def test_empty_prompt_is_a_clear_message(client):
 
 
 def test_absurd_parameters_are_reported(client):
-    out = client.predict("hello", False, "tiny-random", "dynatree", "cpu", 8, api_name="/run",
-                         **run_kwargs({("dynatree", "d0"): 8, ("dynatree", "d_max"): 8}))
+    out = client.predict("hello", False, "tiny-random", "dynatree", "cpu", 8, params={"d0": 8, "d_max": 8},
+                         api_name="/run")
     assert "D0" in out[STATUS] and "err" in out[STATUS] and "Traceback" not in out[STATUS]
+    out = client.predict("hello", False, "tiny-random", "dynatree", "cpu", 8, params={"depth": 3}, api_name="/run")
+    assert "no parameter" in out[STATUS] and "depth" in out[STATUS] and "err" in out[STATUS]
+
+
+def test_run_takes_strategy_parameters_by_name(client):
+    api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/run"]
+    names = [p["parameter_name"] for p in api["parameters"]]
+    assert names == ["prompt", "chat", "pair", "strategy", "preset", "max_new_tokens", "temperature", "top_p",
+                     "top_k", "seed", "verifier", "params", "stage_mode"]
+    out = client.predict("def add(a, b):\n", False, "tiny-random", "linear", "cpu", 16,
+                         params={"k": 2, "stop_below": 0.0}, api_name="/run")
+    trace = json.loads(Path(out[DOWNLOAD]).read_text())
+    assert trace["params"]["k"] == 2 and trace["params"]["stop_below"] == 0.0
+    assert max(it["drafted"] for it in trace["iterations"]) <= 2  # the named value reached the strategy
+    default = json.loads(Path(client.predict("def add(a, b):\n", False, "tiny-random", "linear", "cpu", 16,
+                                             api_name="/run")[DOWNLOAD]).read_text())
+    assert default["params"]["k"] == STRATEGIES["linear"].presets["cpu"]["k"]  # left out: the preset's value
+
+
+def test_a_run_streams_several_updates(client):
+    job = client.submit("def stream(n):\n", False, "tiny-random", "dynatree", "cpu", 256, api_name="/run")
+    job.result(timeout=120)
+    trees = [o for o in job.outputs() if is_plot(o[TREE]) and tree_nodes(o[TREE]) >= 2]
+    assert len(trees) >= 3, len(trees)  # the tree streamed while decoding, not only at the end
+    titles = [plot_data(o[TREE])["layout"]["title"]["text"] for o in trees]
+    assert len(set(titles)) >= 3
 
 
 def test_unloadable_pair_is_reported(client):
@@ -104,39 +125,37 @@ def test_bad_trace_upload_is_a_clear_message(client, tmp_path):
 
 def test_compare_table(client):
     status, table, plot = client.predict("def add(a, b):\n", False, "tiny-random", "linear", "cpu", 16,
-                                         api_name="/compare", **{"param_" + str(FIXED_RUN_INPUTS + len(_spec())): ["linear",
-                                                                                                     "fixed"]})
+                                         methods=["linear", "fixed"], api_name="/compare")
     rows = {row[0]: row for row in table["data"]}
     assert set(rows) == {"ar", "linear", "fixed"}
     assert table["headers"][:3] == ["strategy", "tokens/s", "speedup"]
     assert tree_nodes(plot) >= 2
 
 
-def _spec():
-    from treeviz.ui import param_controls_spec
-    return param_controls_spec()
-
-
-def test_stop_cancels_a_run_in_flight(client):
+def test_stop_cancels_a_run_in_flight_and_the_pair_stays_usable(client):
     import time
     job = client.submit("def long(n):\n", False, "tiny-random", "dynatree", "cpu", 512, api_name="/run")
     deadline = time.time() + 60
     while time.time() < deadline and not any("decoding with" in str(o[STATUS]) for o in job.outputs()):
-        time.sleep(0.1)
-    client.predict(api_name="/stop")
+        time.sleep(0.05)
+    assert not job.done(), "the run ended before Stop: make it longer"
+    stopped = client.predict(api_name="/stop")
+    assert "stopped" in stopped
     while not job.done() and time.time() < deadline:
-        time.sleep(0.1)
-    final = job.outputs()[-1]
-    assert "stopped after" in final[STATUS]
-    assert tree_nodes(final[TREE]) >= 1
+        time.sleep(0.05)
+    assert job.done()
+    outputs = job.outputs()
+    assert any(is_plot(o[TREE]) and tree_nodes(o[TREE]) >= 1 for o in outputs)  # what streamed before Stop
+    assert not any("tokens/s (" in str(o[STATUS]) for o in outputs)  # it did not run to the end
+    assert not backend().pairs.run_lock.locked()  # the cancelled handler let go of the pair
+    out = client.predict("def again(n):\n", False, "tiny-random", "dynatree", "cpu", 12, api_name="/run")
+    assert "12 tokens in" in out[STATUS]
 
 
 def test_preset_and_example_update_controls(client):
-    from treeviz.ui import param_controls_spec
-    spec = param_controls_spec()
+    entries = [(s, p) for s, cls in STRATEGIES.items() for p in cls.params]  # the controls, in page order
     out = client.predict("dynatree", "paper", api_name="/on_preset")
-    values = {p.name: v for (s, p), v in zip(spec, out) if s == "dynatree"}
-    from engine.strategies import STRATEGIES
+    values = {p.name: v for (s, p), v in zip(entries, out) if s == "dynatree"}
     paper = STRATEGIES["dynatree"].presets["paper"]
     for name, value in paper.items():
         got = values[name]["value"] if isinstance(values[name], dict) else values[name]
@@ -161,7 +180,8 @@ def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
     import time
 
     import engine.models as models
-    from treeviz.backend import PairManager
+    import treeviz.backend as backend_module
+    from treeviz.backend import PairManager, UserError
 
     release = threading.Event()
     real = models.load_pair
@@ -173,7 +193,7 @@ def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
             raise models.ModelLoadError("fake: not today")
         return real(target, draft, progress=progress, **kw)
 
-    monkeypatch.setattr(models, "load_pair", fake_load)
+    monkeypatch.setattr(backend_module, "load_pair", fake_load)
     pm = PairManager()
     pm.request("default")
     deadline = time.time() + 10
@@ -182,14 +202,15 @@ def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
     st = pm.status()
     assert st["loading"] and st["progress"] == (0.3, "converting GGUF")
     pm.request("tiny-random")
-    pair = pm.wait("tiny-random", threading.Event())
+    pair = next((p for _ in range(240) if (p := pm.ready("tiny-random")) is not None), None)  # <= 60 s
     assert pair is not None and pm.status()["loaded"] == "tiny-random"
     release.set()
     time.sleep(0.3)
     assert pm.status()["loaded"] == "tiny-random" and not pm.status()["error"]  # the stale load is ignored
     pm.request("default")
-    with pytest.raises(Exception) as info:
-        pm.wait("default", threading.Event())
+    with pytest.raises(UserError) as info:
+        for _ in range(240):  # each ready() waits up to 0.25 s for the load to finish or fail
+            pm.ready("default")
     assert "fake: not today" in str(info.value)
 
 
@@ -201,3 +222,13 @@ def test_only_compatible_rules_are_offered():
     assert {"auto", "token_matching", "traversal"} <= set(topk)
     assert not {"spectr", "khisti", "naive", "block"} & set(topk)
     assert {"naive", "block"} <= set(verifier_choices("linear"))
+
+
+def test_any_rule_by_name_through_the_api(client):
+    """/run accepts every rule by name; the engine refuses one that cannot check the strategy's trees, plainly."""
+    out = client.predict("hello", False, "tiny-random", "delayed", "cpu", 8, temperature=1.0, verifier="spectr",
+                         api_name="/run")
+    assert "8 tokens in" in out[STATUS]
+    out = client.predict("hello", False, "tiny-random", "dynatree", "cpu", 8, temperature=1.0, verifier="spectr",
+                         api_name="/run")
+    assert "cannot check trees" in out[STATUS] and "err" in out[STATUS] and "Traceback" not in out[STATUS]

@@ -68,6 +68,27 @@ def test_run_and_scrub_in_a_real_browser(tmp_path):
             page.wait_for_function(
                 "document.querySelector('#tv-run-status').innerText.includes('12 tokens in')", timeout=60_000)
             page.screenshot(path=str(shots / "04_retuned.png"), full_page=False)
+
+            # Stop mid-run: the streamed views stay, the status says so, and the pair takes the next run
+            box.fill("512")
+            box.press("Enter")
+            box.blur()
+            page.wait_for_function(
+                "document.querySelector('#tv-run-status').innerText.includes('decoding with')", timeout=60_000)
+            page.click("#tv-stop")
+            page.wait_for_function(
+                "document.querySelector('#tv-run-status').innerText.includes('stopped')", timeout=30_000)
+            assert page.locator(POINTS).count() >= 2
+            page.screenshot(path=str(shots / "05_stopped.png"), full_page=False)
+
+            # a strategy parameter reaches the engine by name: D0 = D_max is refused by DynaTree, in one plain line
+            d0 = page.locator("#tv-param-dynatree-d0 input[type=number]")
+            d0.fill("7")
+            d0.press("Enter")
+            d0.blur()
+            page.wait_for_function(
+                "document.querySelector('#tv-run-status').innerText.includes('D0 (7) must be below D_max (7)')",
+                timeout=60_000)
             assert not errors, errors
         finally:
             browser.close()

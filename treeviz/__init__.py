@@ -1,2 +1,2 @@
-"""treeviz UI package: layout and Plotly figures (plain data in, no tensor math), the Gradio app, and the
-background-thread glue to the engine. Nothing here imports torch directly; the engine is only called."""
+"""treeviz: the Gradio app over the engine. Figures and layout take plain trace records; the handlers iterate the
+engine's decoding loop themselves (no worker threads); nothing here does tensor math. See ARCHITECTURE.md."""

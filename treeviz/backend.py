@@ -1,20 +1,28 @@
-"""The app's side of the engine: one model pair at a time (loaded in a background thread), decoding jobs run in
-worker threads and streamed through queues, AR results cached per (pair, prompt, max_new_tokens, dtype).
+"""The app's side of the engine: one model pair at a time (loaded in a background thread on CPU), one decoding
+loop per request iterated by the request's own handler under the pair's lock, AR baselines cached per prompt.
 
-No tensor math here: the engine is imported lazily and only called. Errors come back as plain messages.
+No tensor math here: the engine is only called. Engine errors become plain messages (`friendly_error`).
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
 import logging
-import queue
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Iterator
+
+import torch
+
+from engine.decoder import Decoder, PromptError
+from engine.metrics import compare_outputs
+from engine.models import PAIRS, ModelLoadError, load_pair
+from engine.sampling import Sampling, SamplingError
+from engine.strategies import make_strategy
+from engine.strategies.base import StrategyError
+from engine.trace import RunResult, TraceError
+from engine.verify import VerificationError, make_verifier
+from treeviz.gpu import on_zero_gpu
 
 log = logging.getLogger("treeviz")
 
@@ -23,63 +31,44 @@ HUB_PRESETS = (
     "Qwen/Qwen2.5-1.5B-Instruct + Qwen/Qwen2.5-0.5B-Instruct",
     "HuggingFaceTB/SmolLM2-1.7B-Instruct + HuggingFaceTB/SmolLM2-135M-Instruct",
 )
-LOCAL_PAIRS = ("default", "tiny-random", "tiny-random-identical", "tiny-random-unrelated")
-
-try:  # Hugging Face ZeroGPU: only when the package exists
-    import spaces  # type: ignore
-
-    def gpu(fn):
-        return spaces.GPU(fn)
-except Exception:  # noqa: BLE001 - any import problem means: not on a Space
-    spaces = None
-
-    def gpu(fn):
-        return fn
+# On a GPU the DynaTree pair is the natural first choice: its 6-layer draft is cheap even when kernel launches
+# dominate a step, and both models fit any Space GPU in bf16.
+GPU_PRESET = HUB_PRESETS[0]
 
 
 class UserError(Exception):
     """A problem to show the user as a plain message."""
 
 
-def pair_choices() -> list[str]:
-    try:
-        from engine.models import PAIRS
-        local = [name for name in PAIRS]
-    except Exception:  # noqa: BLE001 - the app still opens (gallery, uploads) without a model module
-        local = list(LOCAL_PAIRS)
-    return local + [p for p in HUB_PRESETS if p not in local]
-
-
-def split_pair(name: str) -> tuple[str, str]:
-    try:
-        from engine.models import PAIRS
-        if name in PAIRS:
-            return tuple(PAIRS[name])
-    except ImportError:
-        pass
-    if " + " in name:
-        target, draft = (s.strip() for s in name.split(" + ", 1))
-        return target, draft
-    return name, name
+# The engine's own "you asked for something impossible" errors: their text is already written for a user.
+USER_FACING = (UserError, PromptError, StrategyError, SamplingError, VerificationError, TraceError)
 
 
 def friendly_error(err: BaseException, context: str = "") -> str:
     """One clear sentence for the user; the traceback goes to the server log only."""
-    name = type(err).__name__
-    text = str(err) or name
-    low = text.lower()
-    if name == "OutOfMemoryError" or "out of memory" in low or isinstance(err, MemoryError):
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
         return ("Out of memory: lower the node budget (N_max / budget), the tree depth or max new tokens, "
                 "or choose a smaller model pair.")
-    if name in ("PromptError", "StrategyError", "SamplingError", "TraceError", "UserError"):
-        return text
-    if name == "ModelLoadError":
-        return f"Could not load the models: {text}"
+    if isinstance(err, USER_FACING):
+        return str(err)
+    if isinstance(err, ModelLoadError):
+        return f"Could not load the models: {err}"
     if context == "load":
-        return f"Could not load the models ({name}): {text}"
-    if isinstance(err, ValueError):
-        return text
-    return f"{context + ': ' if context else ''}{name}: {text}"
+        return f"Could not load the models ({type(err).__name__}): {err}"
+    return f"{context + ': ' if context else ''}{type(err).__name__}: {err}"
+
+
+def pair_choices() -> list[str]:
+    return list(PAIRS) + [p for p in HUB_PRESETS if p not in PAIRS]
+
+
+def split_pair(name: str) -> tuple[str, str]:
+    if name in PAIRS:
+        return PAIRS[name]
+    if " + " in name:
+        target, draft = (s.strip() for s in name.split(" + ", 1))
+        return target, draft
+    return name, name
 
 
 # -- model pair ------------------------------------------------------------------------------------------------------
@@ -94,15 +83,14 @@ class PairManager:
         self.progress = (0.0, "")
         self.error: str | None = None
         self.description = ""
-        self.loaded_at = 0.0
         self._cond = threading.Condition()
-        self.run_lock = threading.Lock()
+        self.run_lock = threading.Lock()   # a Lock (not RLock): a closed generator may release it from any thread
         self._generation = 0
         self._inflight: dict[str, int] = {}  # pair name -> generation of its load still running
 
-    def request(self, name: str) -> None:
-        """Start loading `name` (no-op if it is loaded or loading). Loads run in background threads and never hold
-        the run lock while loading, so a quick pair (tiny-random) can be used while a slow one is still loading."""
+    def request(self, name: str, device: str = "auto") -> None:
+        """Start loading `name` (no-op if it is loaded or loading). Loads never hold the run lock while loading, so
+        a quick pair (tiny-random) can be used while a slow one is still loading."""
         with self._cond:
             if name == self.name and (self.loading or self.pair is not None) and not self.error:
                 return
@@ -113,32 +101,41 @@ class PairManager:
             self.progress = (0.0, f"loading {name}…")
             self._generation += 1
             gen = self._inflight[name] = self._generation
-        threading.Thread(target=self._load, args=(name, gen), daemon=True, name=f"load-{name}").start()
+        threading.Thread(target=self.load, args=(name, gen, device), daemon=True, name=f"load-{name}").start()
 
-    def _load(self, name: str, gen: int) -> None:
+    def load(self, name: str, gen: int | None = None, device: str = "auto") -> None:
+        """Load `name` in this thread (a background thread from `request`, or at import time on ZeroGPU)."""
+        if gen is None:
+            with self._cond:
+                self.name, self.loading, self.error = name, True, None
+                self._generation += 1
+                gen = self._inflight[name] = self._generation
+
         def progress(fraction: float = 0.0, message: str = "") -> None:
             with self._cond:
                 if gen == self._generation:
                     self.progress = (max(0.0, min(1.0, float(fraction or 0.0))), str(message or ""))
 
         try:
-            from engine.models import load_pair
             target, draft = split_pair(name)
-            # one pair in memory at a time: drop the previous one as soon as no run uses it
-            with self.run_lock, self._cond:
+            with self.run_lock, self._cond:  # one pair in memory at a time: drop the old one once no run uses it
                 if gen == self._generation:
                     self.pair, self.loaded_name = None, None
-            pair = load_pair(target, draft, progress=progress)
-            progress(1.0, "warming up (so the first measured run is not penalised)…")
-            _warm_up(pair)
-            describe = pair.describe() if hasattr(pair, "describe") else name
+            # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration, no warm-up there.
+            zero_gpu = on_zero_gpu()
+            pair = load_pair(target, draft, device=device, progress=progress, calibrate=not zero_gpu)
+            if not zero_gpu:
+                progress(1.0, "warming up (so the first measured run is not penalised)…")
+                # First calls pay for allocator growth and kernel selection: keep that off the first run's tokens/s.
+                Decoder(pair, make_strategy("linear" if pair.draft is not None else "ar")).generate(
+                    "def hello():", max_new_tokens=4)
             with self._cond:
                 if gen != self._generation:
                     return  # superseded by another pair while loading: let it go
-                self.pair, self.loaded_name, self.description = pair, name, str(describe)
-                self.loading, self.progress, self.loaded_at = False, (1.0, "ready"), time.time()
+                self.pair, self.loaded_name, self.description = pair, name, pair.describe()
+                self.loading, self.progress = False, (1.0, "ready")
                 self._cond.notify_all()
-        except BaseException as err:  # noqa: BLE001 - shown in the UI, never a traceback
+        except Exception as err:  # noqa: BLE001 - any failure is shown in the UI, never as a traceback
             log.warning("loading %s failed:\n%s", name, traceback.format_exc())
             with self._cond:
                 if gen == self._generation:
@@ -154,55 +151,24 @@ class PairManager:
             return {"name": self.name, "loaded": self.loaded_name, "loading": self.loading,
                     "progress": self.progress, "error": self.error, "description": self.description}
 
-    def wait(self, name: str, cancel: threading.Event, on_wait: Callable[[dict], None] | None = None):
-        """The loaded pair `name`, loading it if needed; raises UserError on failure or cancel."""
-        self.request(name)
-        last = 0.0
-        while True:
-            with self._cond:
-                if self.loaded_name == name and self.pair is not None:
-                    return self.pair
-                if self.name != name:
-                    raise UserError(f"the model pair changed to {self.name} while waiting")
-                if self.error and not self.loading:
-                    raise UserError(self.error)
-                self._cond.wait(timeout=0.2)
-            if cancel.is_set():
-                raise Cancelled()
-            if on_wait and time.time() - last > 0.5:
-                last = time.time()
-                on_wait(self.status())
+    def ready(self, name: str, timeout: float = 0.25):
+        """The loaded pair `name`, or None if it is still loading after `timeout` s; UserError if it failed."""
+        with self._cond:
+            if not (self.loaded_name == name and self.pair is not None):
+                self._cond.wait(timeout=timeout)
+            if self.loaded_name == name and self.pair is not None:
+                return self.pair
+            if self.name != name:
+                raise UserError(f"the model pair changed to {self.name} while waiting")
+            if self.error and not self.loading:
+                raise UserError(self.error)
+            return None
 
 
-class Cancelled(Exception):
-    pass
-
-
-def _warm_up(pair) -> None:
-    """A few tokens through target and draft: first calls pay for allocator growth and kernel selection, which
-    would otherwise land on the first run's (or AR's) tokens/s."""
-    try:
-        from engine.decoder import Decoder
-        from engine.strategies import make_strategy
-        name = "linear" if getattr(pair, "draft", None) is not None else "ar"
-        Decoder(pair, make_strategy(name)).generate("def hello():", max_new_tokens=4)
-    except Exception:  # noqa: BLE001 - warm-up is best effort
-        log.info("warm-up skipped:\n%s", traceback.format_exc())
-
-
-# -- decoding jobs -----------------------------------------------------------------------------------------------------
-def sampling_support() -> bool:
-    """Does this engine have engine.sampling.Sampling and a Decoder that takes `sampling=`?"""
-    try:
-        from engine.decoder import Decoder
-        import engine.sampling  # noqa: F401
-        return "sampling" in inspect.signature(Decoder.__init__).parameters and hasattr(engine.sampling, "Sampling")
-    except Exception:  # noqa: BLE001
-        return False
-
-
+# -- one run -----------------------------------------------------------------------------------------------------------
 @dataclass
 class RunSpec:
+    """Everything a run needs, as plain picklable data (it crosses ZeroGPU's process boundary)."""
     pair: str
     prompt: Any                        # str or chat messages
     strategy: str
@@ -218,82 +184,85 @@ class RunSpec:
     def prompt_key(self) -> str:
         return json.dumps(self.prompt, sort_keys=True, ensure_ascii=False)
 
-    @property
-    def greedy(self) -> bool:
-        return not self.temperature
+
+class Cancel:
+    """A session's cancel flag, checked by its run between iterations."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.superseded = False  # cancelled because a newer run of the same session started
+
+    def set(self, superseded: bool = False) -> None:
+        self.superseded = self.superseded or superseded
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
+# What a run streams to its handler (the handler turns each into component updates).
+@dataclass
+class Status:
+    text: str
 
 
 @dataclass
-class Job:
-    spec: Any
-    cancel: threading.Event = field(default_factory=threading.Event)
-    events: "queue.Queue[tuple]" = field(default_factory=queue.Queue)
-    thread: threading.Thread | None = None
-    superseded: bool = False  # cancelled because a newer job of the same session started
+class Step:
+    run: Any                           # the DecodeRun after one more iteration: .snapshot() is the run so far
+
+
+@dataclass
+class Done:
+    result: RunResult | None           # None when stopped or superseded
+    ar: RunResult | None = None
 
 
 class Backend:
     def __init__(self):
         self.pairs = PairManager()
-        self.ar_cache: dict[tuple, Any] = {}
-        self._jobs: dict[str, Job] = {}
-        self._jobs_lock = threading.Lock()
+        self.ar_cache: dict[tuple, RunResult] = {}
+        self._cancels: dict[str, Cancel] = {}
+        self._lock = threading.Lock()
 
-    # one job per browser session: starting a new one cancels the old
-    def start(self, session: str, target: Callable[[Job], None], spec: Any) -> Job:
-        job = Job(spec)
-        with self._jobs_lock:
-            old = self._jobs.get(session)
+    # one run per browser session: starting a new one cancels the old
+    def begin(self, session: str) -> Cancel:
+        cancel = Cancel()
+        with self._lock:
+            old = self._cancels.get(session)
             if old is not None:
-                old.superseded = True
-                old.cancel.set()
-            self._jobs[session] = job
-        job.thread = threading.Thread(target=self._guard, args=(target, job), daemon=True, name=f"job-{session}")
-        job.thread.start()
-        return job
+                old.set(superseded=True)
+            self._cancels[session] = cancel
+        return cancel
+
+    def cancel_of(self, session: str) -> Cancel:
+        with self._lock:
+            return self._cancels.setdefault(session, Cancel())
 
     def stop(self, session: str) -> bool:
-        with self._jobs_lock:
-            job = self._jobs.get(session)
-        if job is not None and not job.cancel.is_set():
-            job.cancel.set()
+        with self._lock:
+            cancel = self._cancels.get(session)
+        if cancel is not None and not cancel.is_set():
+            cancel.set()
             return True
         return False
 
-    def finished(self, session: str, job: Job) -> None:
-        with self._jobs_lock:
-            if self._jobs.get(session) is job:
-                del self._jobs[session]
-
-    @staticmethod
-    def _guard(target, job: Job) -> None:
-        try:
-            target(job)
-        except Cancelled:
-            job.events.put(("cancelled", None))
-        except BaseException as err:  # noqa: BLE001
-            log.warning("run failed:\n%s", traceback.format_exc())
-            job.events.put(("error", friendly_error(err)))
+    def end(self, session: str, cancel: Cancel) -> None:
+        with self._lock:
+            if self._cancels.get(session) is cancel:
+                del self._cancels[session]
 
     # -- the work --------------------------------------------------------------------------------------------------
-    def _pair(self, job: Job):
-        return self.pairs.wait(job.spec.pair if isinstance(job.spec, RunSpec) else job.spec[0].pair, job.cancel,
-                               on_wait=lambda st: job.events.put(("loading", st)))
-
-    @contextlib.contextmanager
-    def _locked(self, job: Job):
-        """Hold the pair's run lock (one run on a pair at a time); give up when the job is cancelled."""
+    def locked(self, cancel: Cancel) -> Iterator[Status | bool]:
+        """Wait for the pair's run lock, yielding one Status while another run holds it; yields True once held
+        (the caller releases it) or returns early if cancelled."""
         told = False
         while not self.pairs.run_lock.acquire(timeout=0.2):
+            if cancel.is_set():
+                return
             if not told:
-                job.events.put(("status", "waiting for another run on this model pair to finish…"))
                 told = True
-            if job.cancel.is_set():
-                raise Cancelled()
-        try:
-            yield
-        finally:
-            self.pairs.run_lock.release()
+                yield Status("waiting for another run on this model pair to finish…")
+        yield True
 
     @staticmethod
     def _prompt_for(pair, prompt):
@@ -302,93 +271,105 @@ class Backend:
             return "\n".join(str(m.get("content", "")) for m in prompt)
         return prompt
 
-    def _decoder(self, pair, spec: RunSpec, strategy_name: str, params: dict | None, preset: str):
-        from engine.decoder import Decoder
-        from engine.strategies import make_strategy
-        strategy = make_strategy(strategy_name, preset, **(params or {}))
-        kwargs = {}
-        if sampling_support():
-            from engine.sampling import Sampling
-            kwargs["sampling"] = Sampling(temperature=float(spec.temperature), top_k=int(spec.top_k),
-                                          top_p=float(spec.top_p), seed=int(spec.seed))
-        elif not spec.greedy:
-            raise UserError("this engine decodes greedily only: set temperature to 0")
-        if spec.verifier and spec.verifier != "auto" and strategy_name != "ar":
-            from engine.verify import make_verifier
-            kwargs["verifier"] = make_verifier(spec.verifier)
-        return Decoder(pair, strategy, **kwargs)
+    def _run(self, pair, spec: RunSpec, strategy: str, params: dict, preset: str):
+        sampling = Sampling(temperature=float(spec.temperature), top_k=int(spec.top_k), top_p=float(spec.top_p),
+                            seed=int(spec.seed))
+        verifier = make_verifier(spec.verifier) if spec.verifier != "auto" and strategy != "ar" else None
+        decoder = Decoder(pair, make_strategy(strategy, preset, **params), verifier=verifier, sampling=sampling)
+        return decoder.run(self._prompt_for(pair, spec.prompt), max_new_tokens=int(spec.max_new_tokens))
 
     def _ar_key(self, pair, spec: RunSpec) -> tuple:
         return (self.pairs.loaded_name, spec.prompt_key(), int(spec.max_new_tokens), str(pair.dtype),
                 float(spec.temperature), float(spec.top_p), int(spec.top_k), int(spec.seed))
 
-    def _ar(self, pair, spec: RunSpec, job: Job):
+    def ar(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | RunResult]:
+        """AR on the same prompt and settings (cached); yields a Status, then the result (None if cancelled)."""
         key = self._ar_key(pair, spec)
-        if key in self.ar_cache:
-            return self.ar_cache[key]
-        job.events.put(("status", "measuring plain autoregressive decoding on the same prompt…"))
-        run = self._decoder(pair, spec, "ar", {}, "cpu").run(self._prompt_for(pair, spec.prompt),
-                                                               max_new_tokens=int(spec.max_new_tokens))
-        for _ in run:
-            if job.cancel.is_set():
-                raise Cancelled()
-        self.ar_cache[key] = run.result
-        return run.result
+        if key not in self.ar_cache:
+            yield Status("measuring plain autoregressive decoding on the same prompt…")
+            run = self._run(pair, spec, "ar", {}, "cpu")
+            for _ in run:
+                if cancel.is_set():
+                    return
+            self.ar_cache[key] = run.result
+        yield self.ar_cache[key]
 
-    def decode_job(self, job: Job) -> None:
-        """Worker: decode spec, stream ("iter", record), then ("done", result, ar_result)."""
-        spec: RunSpec = job.spec
-        pair = self._pair(job)
-        with self._locked(job):
-            _decode_locked(self, pair, spec, job)
+    def decode(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | Step | Done]:
+        """Decode `spec` under the pair's lock: a Step after every iteration, then Done (with AR beside it)."""
+        held = False
+        try:
+            for item in self.locked(cancel):
+                if item is True:
+                    held = True
+                else:
+                    yield item
+            if not held:
+                yield Done(None)
+                return
+            run = self._run(pair, spec, spec.strategy, spec.params, spec.preset)
+            for _ in run:
+                yield Step(run)
+                if cancel.is_set():
+                    yield Done(None)
+                    return
+            result, ar = run.result, None
+            for item in self.ar(pair, spec, cancel) if spec.strategy != "ar" else [result]:
+                if isinstance(item, Status):
+                    yield item
+                else:
+                    ar = item
+            if spec.strategy == "ar":
+                self.ar_cache[self._ar_key(pair, spec)] = result
+            if ar is None:
+                yield Done(None)
+                return
+            attach_comparison(result, ar)
+            yield Done(result, ar)
+        finally:
+            if held:
+                self.pairs.run_lock.release()
 
-    def compare_job(self, job: Job) -> None:
-        """Worker: AR + each strategy on the same prompt; stream ("method", name, result), then ("done", ...)."""
-        spec, methods, params_by_strategy = job.spec
-        pair = self._pair(job)
-        with self._locked(job):
-            ar = self._ar(pair, spec, job)
-            job.events.put(("method", "ar", ar))
+    def compare(self, pair, spec: RunSpec, methods: list[str], cancel: Cancel) -> Iterator[Status | Done]:
+        """AR and each of `methods` on one prompt; a Done(result, ar) per method, AR first."""
+        held = False
+        try:
+            for item in self.locked(cancel):
+                if item is True:
+                    held = True
+                else:
+                    yield item
+            if not held:
+                return
+            ar = None
+            for item in self.ar(pair, spec, cancel):
+                if isinstance(item, Status):
+                    yield item
+                else:
+                    ar = item
+            if ar is None:
+                return
+            attach_comparison(ar, ar)
+            yield Done(ar, ar)
             for name in methods:
-                if name == "ar":
-                    continue
-                job.events.put(("status", f"running {name}…"))
-                run = self._decoder(pair, spec, name, params_by_strategy.get(name, {}), spec.preset).run(
-                    self._prompt_for(pair, spec.prompt), max_new_tokens=int(spec.max_new_tokens))
+                yield Status(f"running {name}…")
+                params = spec.params if name == spec.strategy else {}
+                run = self._run(pair, spec, name, params, spec.preset if name == spec.strategy else "cpu")
                 for _ in run:
-                    if job.cancel.is_set():
-                        raise Cancelled()
-                result = run.result
-                _attach_comparison(result, ar)
-                job.events.put(("method", name, result))
-        job.events.put(("done", None, ar))
+                    if cancel.is_set():
+                        return
+                attach_comparison(run.result, ar)
+                yield Done(run.result, ar)
+        finally:
+            if held:
+                self.pairs.run_lock.release()
 
 
-def _attach_comparison(result, ar) -> None:
-    from engine.metrics import compare_outputs
-    if ar is not None and result is not ar:
-        result.comparison = compare_outputs(result, ar)
-    elif result is ar:
+def attach_comparison(result: RunResult, ar: RunResult) -> None:
+    if result is ar:
         result.comparison = {"exact_match": True, "first_divergence": None,
                              "compared_tokens": len(ar.output_ids), "speedup_vs_ar": 1.0}
-
-
-@gpu
-def _decode_locked(backend: Backend, pair, spec: RunSpec, job: Job) -> None:
-    run = backend._decoder(pair, spec, spec.strategy, spec.params, spec.preset).run(
-        backend._prompt_for(pair, spec.prompt), max_new_tokens=int(spec.max_new_tokens))
-    records = []
-    for record in run:
-        records.append(record)
-        job.events.put(("iter", record))
-        if job.cancel.is_set():
-            job.events.put(("cancelled", records))
-            return
-    result = run.result
-    if spec.strategy == "ar":
-        backend.ar_cache[backend._ar_key(pair, spec)] = result
-        ar = result
     else:
-        ar = backend._ar(pair, spec, job)
-    _attach_comparison(result, ar)
-    job.events.put(("done", result, ar))
+        result.comparison = compare_outputs(result, ar)
+
+
+BACKEND = Backend()  # one per process: the decorated GPU handlers reach it as a module global, never as an argument

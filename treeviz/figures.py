@@ -1,6 +1,7 @@
 """Plotly figures built from trace records (engine.trace): the draft tree, per-run charts, comparison views.
 
-Only plain data goes in (NodeRecord / IterationRecord / RunResult or their dicts); no tensors, no models.
+Only engine.trace records go in (NodeRecord / IterationRecord / RunResult, a partial RunResult while a run streams);
+the numbers shown are the engine's own (RunResult.metrics); no tensors, no models.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Iterable, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine.trace import IterationRecord, NodeRecord, RunResult
 from treeviz.layout import extent, tidy_layout
 
 COLORSCALE = "Viridis"
@@ -46,12 +48,6 @@ TOKEN_KIND_STYLE = {  # generated-text provenance
 
 
 # -- small helpers -------------------------------------------------------------------------------------------------
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
-
-
 def visible_token(text: str | None) -> str:
     """A token's text with whitespace made visible, HTML-escaped (safe inside plotly text and HTML)."""
     if text is None:
@@ -73,33 +69,35 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def node_status(node: Any) -> str:
-    status = _get(node, "status")
-    if status == "bonus" and _get(node, "resampled"):
+def node_status(node: NodeRecord) -> str:
+    status = node.status
+    if status == "bonus" and node.resampled:
         return "resampled"
     return status
 
 
-def hover_text(node: Any) -> str:
+def hover_text(node: NodeRecord) -> str:
     status = node_status(node)
     outcome = STATUS_STYLE.get(status, {}).get("label", status)
-    rank = _get(node, "rank")
-    lines = [f"<b>{visible_token(_get(node, 'text'))}</b>  (id {_get(node, 'token')})",
-             f"q (draft) = {_fmt(_get(node, 'q'))}",
-             f"cumulative q = {_fmt(_get(node, 'path_q'), '.3g')}",
-             f"p (target) = {_fmt(_get(node, 'p'))}",
-             f"depth {_get(node, 'depth')} · rank {rank if rank is not None else 'n/a'}",
+    rank = node.rank
+    lines = [f"<b>{visible_token(node.text)}</b>  (id {node.token})",
+             f"q (draft) = {_fmt(node.q)}",
+             f"cumulative q = {_fmt(node.path_q, '.3g')}",
+             f"p (target) = {_fmt(node.p)}",
+             f"depth {node.depth} · rank {rank if rank is not None else 'n/a'}",
              f"outcome: {html.escape(outcome)}"]
-    if _get(node, "accept_prob") is not None:
-        lines.insert(4, f"accept prob = {_fmt(_get(node, 'accept_prob'))}")
+    if node.accept_prob is not None:
+        lines.insert(4, f"accept prob = {_fmt(node.accept_prob)}")
+    if node.draws > 1:  # identical i.i.d. draws merged into this node (the rules try each draw in its own turn)
+        lines.insert(1, f"drawn {node.draws}× at its parent")
     return "<br>".join(lines)
 
 
-def iteration_layout(iteration: Any) -> dict[int, tuple[int, float]]:
-    return tidy_layout(_get(iteration, "nodes") or [])
+def iteration_layout(iteration: IterationRecord) -> dict[int, tuple[int, float]]:
+    return tidy_layout(iteration.nodes)
 
 
-def run_frame(iterations: Iterable[Any], min_depth: int = 4, min_half_width: float = 3.0) -> dict[str, list[float]]:
+def run_frame(iterations: Iterable[IterationRecord], min_depth: int = 4, min_half_width: float = 3.0) -> dict[str, list[float]]:
     """Axis ranges covering every iteration of a run, so the tree view never jumps while scrubbing."""
     max_depth, lo, hi = extent(iteration_layout(it) for it in iterations)
     max_depth = max(max_depth, min_depth)
@@ -107,7 +105,7 @@ def run_frame(iterations: Iterable[Any], min_depth: int = 4, min_half_width: flo
     return {"x": [-0.6, max_depth + 0.9], "y": [-(hi + 0.8), -(lo - 0.8)]}
 
 
-def grow_frame(frame: dict[str, list[float]] | None, iteration: Any) -> dict[str, list[float]]:
+def grow_frame(frame: dict[str, list[float]] | None, iteration: IterationRecord) -> dict[str, list[float]]:
     """Frame for live streaming: grows to fit new trees, never shrinks."""
     new = run_frame([iteration])
     if not frame:
@@ -117,17 +115,17 @@ def grow_frame(frame: dict[str, list[float]] | None, iteration: Any) -> dict[str
 
 
 # -- the draft tree ------------------------------------------------------------------------------------------------
-def tree_traces(iteration: Any, label_all: bool | None = None, show_legend: bool = True,
+def tree_traces(iteration: IterationRecord, label_all: bool | None = None, show_legend: bool = True,
                 size_scale: float = 1.0) -> list[go.Scatter]:
-    nodes = list(_get(iteration, "nodes") or [])
+    nodes = list(iteration.nodes)
     if not nodes:
         return []
     pos = iteration_layout(iteration)
-    by_id = {_get(n, "id"): n for n in nodes}
+    by_id = {n.id: n for n in nodes}
     large = len(nodes) > LARGE_TREE
     if label_all is None:
         label_all = not large
-    on_path = set(_get(iteration, "accepted_path") or [])
+    on_path = set(iteration.accepted_path)
     if large:
         size_scale *= 0.7
 
@@ -138,11 +136,11 @@ def tree_traces(iteration: Any, label_all: bool | None = None, show_legend: bool
     # edges: accepted path thick; edges into unreached subtrees faint
     edges = {"accepted": ([], []), "other": ([], []), "dead": ([], [])}
     for node in nodes:
-        parent = _get(node, "parent")
+        parent = node.parent
         if parent is None or parent < 0 or parent not in pos:
             continue
-        nid = _get(node, "id")
-        status = _get(node, "status")
+        nid = node.id
+        status = node.status
         if (nid in on_path and parent in on_path) or (status == "bonus" and parent in on_path):
             kind = "accepted"
         elif status == "unreached":
@@ -171,18 +169,18 @@ def tree_traces(iteration: Any, label_all: bool | None = None, show_legend: bool
         style = STATUS_STYLE.get(status, STATUS_STYLE["unreached"])
         legend_done = False
         for scored in (True, False):
-            part = [n for n in members if (_get(n, "q") is not None) == scored]
+            part = [n for n in members if (n.q is not None) == scored]
             if not part:
                 continue
-            xs = [xy(_get(n, "id"))[0] for n in part]
-            ys = [xy(_get(n, "id"))[1] for n in part]
-            labels = [visible_token(_get(n, "text"))
-                      if (label_all or _get(n, "id") in on_path or _get(n, "status") == "bonus") else ""
+            xs = [xy(n.id)[0] for n in part]
+            ys = [xy(n.id)[1] for n in part]
+            labels = [visible_token(n.text)
+                      if (label_all or n.id in on_path or n.status == "bonus") else ""
                       for n in part]
             marker: dict[str, Any] = {"symbol": style["symbol"], "size": style["size"] * size_scale,
                                       "line": {"color": style["line_color"], "width": style["line_width"]}}
             if scored:
-                marker.update(color=[_get(n, "q") for n in part], coloraxis="coloraxis")
+                marker.update(color=[n.q for n in part], coloraxis="coloraxis")
             else:
                 marker.update(color=UNSCORED_FILL)
             if status == "unreached":
@@ -195,7 +193,7 @@ def tree_traces(iteration: Any, label_all: bool | None = None, show_legend: bool
                 hovertext=[hover_text(n) for n in part], hoverinfo="text",
                 marker=marker, name=style["label"], legendgroup=status,
                 showlegend=show_legend and not legend_done,
-                customdata=[[_get(n, "id"), status] for n in part]))
+                customdata=[[n.id, status] for n in part]))
             legend_done = True
     return traces
 
@@ -206,7 +204,7 @@ def _coloraxis(show_scale: bool = True) -> dict[str, Any]:
                          "tickvals": [0, 0.25, 0.5, 0.75, 1.0]}}
 
 
-def tree_figure(iteration: Any | None, frame: dict[str, list[float]] | None = None, title: str | None = None,
+def tree_figure(iteration: IterationRecord | None, frame: dict[str, list[float]] | None = None, title: str | None = None,
                 height: int | None = None) -> go.Figure:
     """The draft tree of one iteration: root (last committed token) at the left, depth to the right."""
     fig = go.Figure()
@@ -221,10 +219,10 @@ def tree_figure(iteration: Any | None, frame: dict[str, list[float]] | None = No
     for trace in tree_traces(iteration):
         fig.add_trace(trace)
     if title is None:
-        nodes = _get(iteration, "nodes") or []
-        title = (f"iteration {_get(iteration, 'index')}: {_get(iteration, 'drafted')} drafted, "
-                 f"{_get(iteration, 'accepted')} accepted + bonus "
-                 f"'{visible_token(_get(iteration, 'bonus_text'))}'")
+        nodes = iteration.nodes
+        title = (f"iteration {iteration.index}: {iteration.drafted} drafted, "
+                 f"{iteration.accepted} accepted + bonus "
+                 f"'{visible_token(iteration.bonus_text)}'")
         if len(nodes) > LARGE_TREE:
             title += " (labels on the accepted path only)"
     span = frame["y"][1] - frame["y"][0]
@@ -244,7 +242,7 @@ def tree_figure(iteration: Any | None, frame: dict[str, list[float]] | None = No
     return fig
 
 
-def small_multiples(items: Sequence[tuple[str, Any]], cols: int = 3) -> go.Figure:
+def small_multiples(items: Sequence[tuple[str, IterationRecord]], cols: int = 3) -> go.Figure:
     """One tree per (title, iteration) in a grid, on shared frame and colour scale (the Compare view)."""
     items = [(t, it) for t, it in items if it is not None]
     if not items:
@@ -256,7 +254,7 @@ def small_multiples(items: Sequence[tuple[str, Any]], cols: int = 3) -> go.Figur
     frame = run_frame([it for _, it in items])
     for i, (_, it) in enumerate(items):
         r, c = i // cols + 1, i % cols + 1
-        for trace in tree_traces(it, label_all=len(_get(it, "nodes") or []) <= 25, show_legend=(i == 0),
+        for trace in tree_traces(it, label_all=len(it.nodes) <= 25, show_legend=(i == 0),
                                  size_scale=0.75):
             fig.add_trace(trace, row=r, col=c)
         fig.update_xaxes(range=frame["x"], autorange=False, dtick=1, row=r, col=c)
@@ -268,56 +266,22 @@ def small_multiples(items: Sequence[tuple[str, Any]], cols: int = 3) -> go.Figur
 
 
 # -- per-run charts ------------------------------------------------------------------------------------------------
-def _iterations(run: Any) -> list[Any]:
-    return list(_get(run, "iterations") or [])
+STAGE_COLORS = {"draft": "#f39c12", "build": "#9b59b6", "verify": "#2980b9", "commit": "#7f8c8d", "other": "#bdc3c7"}
 
 
-def charts_figure(run: Any | None, selected: int | None = None, stage_mode: str = "per iteration") -> go.Figure:
-    """2x2: L-bar per iteration with running mean; acceptance per iteration; per-depth acceptance; stage times."""
+def charts_figure(run: RunResult | None, selected: int | None = None, stage_mode: str = "per iteration") -> go.Figure:
+    """2x2: tokens per iteration with the run's L̄; acceptance per iteration; per-depth acceptance; stage times.
+    Per-iteration series come from the records, every run-level number from run.metrics (the engine's)."""
     fig = make_subplots(rows=2, cols=2, horizontal_spacing=0.1, vertical_spacing=0.2, subplot_titles=(
-        "L̄: tokens committed per iteration", "acceptance rate per iteration",
+        "L: tokens committed per iteration", "acceptance rate per iteration",
         "per-depth acceptance P(ℓ ≥ d)", "stage time (ms)"))
-    its = _iterations(run) if run is not None else []
+    its = run.iterations if run is not None else []
     if its:
-        idx = [_get(it, "index") for it in its]
-        committed = [len(_get(it, "new_tokens") or []) for it in its]
-        running, total = [], 0
-        for i, c in enumerate(committed):
-            total += c
-            running.append(total / (i + 1))
-        fig.add_trace(go.Bar(x=idx, y=committed, name="L (this iteration)", marker_color="#7fb3d5",
-                             hovertemplate="iteration %{x}: %{y} tokens<extra></extra>"), row=1, col=1)
-        fig.add_trace(go.Scatter(x=idx, y=running, name="L̄ running mean", mode="lines",
-                                 line={"color": "#1f4e79", "width": 2.5},
-                                 hovertemplate="running L̄ = %{y:.2f}<extra></extra>"), row=1, col=1)
-        acc = [(_get(it, "accepted") / _get(it, "drafted")) if _get(it, "drafted") else None for it in its]
-        fig.add_trace(go.Scatter(x=idx, y=acc, mode="lines+markers", name="acceptance rate",
-                                 line={"color": "#27ae60"}, connectgaps=False,
-                                 hovertemplate="iteration %{x}: %{y:.2f}<extra></extra>"), row=1, col=2)
-        accepted = [_get(it, "accepted") for it in its]
-        depth_acc = [sum(a >= d for a in accepted) / len(accepted) for d in range(1, max(accepted, default=0) + 1)]
-        if depth_acc:
-            fig.add_trace(go.Bar(x=list(range(1, len(depth_acc) + 1)), y=depth_acc, name="P(ℓ ≥ d)",
-                                 marker_color="#16a085",
-                                 hovertemplate="depth %{x}: %{y:.2f}<extra></extra>"), row=2, col=1)
-        stages = ("draft", "build", "verify", "commit", "other")
-        colors = ("#f39c12", "#9b59b6", "#2980b9", "#7f8c8d", "#bdc3c7")
-        if stage_mode == "total":
-            for s, col in zip(stages, colors):
-                val = sum((_get(it, "times") or {}).get(s, 0.0) for it in its) * 1000
-                fig.add_trace(go.Bar(x=["run"], y=[val], name=s, marker_color=col, legendgroup="stage",
-                                     hovertemplate=f"{s}: %{{y:.1f}} ms<extra></extra>"), row=2, col=2)
-        else:
-            for s, col in zip(stages, colors):
-                fig.add_trace(go.Bar(x=idx, y=[(_get(it, "times") or {}).get(s, 0.0) * 1000 for it in its],
-                                     name=s, marker_color=col, legendgroup="stage",
-                                     hovertemplate=f"{s}: %{{y:.1f}} ms<extra></extra>"), row=2, col=2)
-        fig.update_layout(barmode="stack")
+        _add_iteration_charts(fig, run, stage_mode)
         if selected is not None:
-            for col in (1, 2):
-                fig.add_vline(x=selected, line={"color": "#e74c3c", "width": 1.5, "dash": "dot"}, row=1, col=col)
-            if stage_mode != "total":
-                fig.add_vline(x=selected, line={"color": "#e74c3c", "width": 1.5, "dash": "dot"}, row=2, col=2)
+            for row, col in ((1, 1), (1, 2)) + (((2, 2),) if stage_mode != "total" else ()):
+                fig.add_vline(x=selected, line={"color": "#e74c3c", "width": 1.5, "dash": "dot"}, row=row, col=col)
+        fig.update_layout(barmode="stack")
         fig.update_yaxes(range=[0, 1.05], row=1, col=2)
         fig.update_yaxes(range=[0, 1.05], row=2, col=1)
         fig.update_xaxes(title_text="iteration", row=1, col=1)
@@ -328,23 +292,47 @@ def charts_figure(run: Any | None, selected: int | None = None, stage_mode: str 
     return fig
 
 
-def throughput_figure(run: Any | None, ar_run: Any | None) -> go.Figure:
+def _add_iteration_charts(fig: go.Figure, run: RunResult, stage_mode: str) -> None:
+    its, m = run.iterations, run.metrics
+    idx = [it.index for it in its]
+    fig.add_trace(go.Bar(x=idx, y=[it.committed for it in its], name="L (this iteration)", marker_color="#7fb3d5",
+                         hovertemplate="iteration %{x}: %{y} tokens<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=[idx[0], idx[-1]], y=[m["mean_tokens_per_iter"]] * 2, mode="lines",
+                             name=f"L̄ = {m['mean_tokens_per_iter']:.2f} (run)", line={"color": "#1f4e79", "width": 2.5},
+                             hovertemplate="L̄ = %{y:.2f}<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=idx, y=[it.accepted / it.drafted if it.drafted else None for it in its],
+                             mode="lines+markers", name="acceptance rate", line={"color": "#27ae60"},
+                             connectgaps=False, hovertemplate="iteration %{x}: %{y:.2f}<extra></extra>"), row=1, col=2)
+    depth = m["per_depth_acceptance"]
+    if depth:
+        fig.add_trace(go.Bar(x=list(range(1, len(depth) + 1)), y=depth, name="P(ℓ ≥ d)", marker_color="#16a085",
+                             hovertemplate="depth %{x}: %{y:.2f}<extra></extra>"), row=2, col=1)
+    for stage, color in STAGE_COLORS.items():
+        if stage_mode == "total":
+            x, y = ["run"], [m["stage_s"][stage] * 1000]
+        else:
+            x, y = idx, [it.times.get(stage, 0.0) * 1000 for it in its]
+        fig.add_trace(go.Bar(x=x, y=y, name=stage, marker_color=color, legendgroup="stage",
+                             hovertemplate=f"{stage}: %{{y:.1f}} ms<extra></extra>"), row=2, col=2)
+
+
+def throughput_figure(run: RunResult | None, ar_run: RunResult | None) -> go.Figure:
     """Tokens/s of the run beside AR on the same prompt in the same session, with the speedup."""
     fig = go.Figure()
     names, values, colors = [], [], []
-    if ar_run is not None and _get(_get(ar_run, "metrics") or {}, "tokens_per_s"):
+    tps = run.metrics.get("tokens_per_s") if run is not None else None
+    speedup = (run.comparison or {}).get("speedup_vs_ar") if run is not None else None
+    if ar_run is not None and ar_run.metrics.get("tokens_per_s"):
         names.append("AR")
-        values.append(_get(ar_run, "metrics")["tokens_per_s"])
+        values.append(ar_run.metrics["tokens_per_s"])
         colors.append("#95a5a6")
-    speedup = (_get(run, "comparison") or {}).get("speedup_vs_ar") if run is not None else None
-    tps = (_get(run, "metrics") or {}).get("tokens_per_s") if run is not None else None
-    if ar_run is None and speedup and tps and _get(run, "strategy") != "ar":
+    elif speedup and tps and run.strategy != "ar":
         names.append("AR (recorded)")  # a replayed trace: AR's rate from the speedup stored with it
         values.append(tps / speedup)
         colors.append("#95a5a6")
-    if run is not None and (_get(run, "metrics") or {}).get("tokens_per_s") and _get(run, "strategy") != "ar":
-        names.append(str(_get(run, "strategy")))
-        values.append(_get(run, "metrics")["tokens_per_s"])
+    if tps and run.strategy != "ar":
+        names.append(str(run.strategy))
+        values.append(tps)
         colors.append("#2980b9")
     fig.add_trace(go.Bar(x=values, y=names, orientation="h", marker_color=colors,
                          text=[f"{v:.1f} tok/s" for v in values], textposition="auto",
@@ -352,7 +340,7 @@ def throughput_figure(run: Any | None, ar_run: Any | None) -> go.Figure:
     title = "throughput (tokens/s)"
     if len(values) == 2 and values[0] > 0:
         title += f": speedup {values[1] / values[0]:.2f}× over AR"
-    elif run is not None and ar_run is None and _get(run, "strategy") != "ar":
+    elif run is not None and ar_run is None and run.strategy != "ar":
         title += " (AR not measured yet)"
     fig.update_layout(title={"text": title, "font": {"size": 13}, "x": 0.01}, template="plotly_white",
                       height=170, margin={"l": 10, "r": 10, "t": 36, "b": 24}, showlegend=False,
@@ -361,44 +349,25 @@ def throughput_figure(run: Any | None, ar_run: Any | None) -> go.Figure:
 
 
 # -- text with provenance ------------------------------------------------------------------------------------------
-def token_pieces(run: Any) -> list[dict[str, Any]]:
-    """Output tokens with their text and provenance: [{text, kind, iteration, margin}], from the records only."""
-    its = _iterations(run)
-    sources = list(_get(run, "token_sources") or [])
-    texts: list[str] = []
-    if its:
-        nodes0 = _get(its[0], "nodes") or []
-        root = next((n for n in nodes0 if _get(n, "status") == "root"), None)
-        texts.append(_get(root, "text") if root is not None else "")
-    for it in its:
-        nodes = {_get(n, "id"): n for n in _get(it, "nodes") or []}
-        path = list(_get(it, "accepted_path") or [])[1:]
-        new = _get(it, "new_tokens") or []
-        acc = min(_get(it, "accepted") or 0, len(new))
-        texts += [_get(nodes.get(nid), "text") or "" for nid in path[:acc]]
-        if len(new) > acc:
-            texts.append(_get(it, "bonus_text") or "")
-    output_ids = _get(run, "output_ids") or []
-    if not its and output_ids:
-        # no records (e.g. a one-token run): show the output text as a single prefill piece
-        return [{"text": _get(run, "output_text") or "", "kind": "prefill", "iteration": -1, "margin": None}]
-    pieces = []
-    for i, text in enumerate(texts[: max(len(output_ids), len(texts)) if output_ids else len(texts)]):
-        src = sources[i] if i < len(sources) else {}
-        pieces.append({"text": text, "kind": src.get("kind", "accepted" if i else "prefill"),
-                       "iteration": src.get("iteration"), "margin": src.get("margin")})
-    return pieces
+def token_pieces(run: RunResult) -> list[dict[str, Any]]:
+    """Output tokens with their text and provenance, as the engine recorded them (RunResult.token_sources).
+    A trace written before sources carried text shows its output text as one piece."""
+    sources = run.token_sources
+    if not sources or any("text" not in src for src in sources):
+        return [{"text": run.output_text, "kind": "prefill", "iteration": -1, "margin": None}]
+    return [{"text": src["text"], "kind": src["kind"], "iteration": src["iteration"], "margin": src["margin"]}
+            for src in sources]
 
 
-def tokens_html(run: Any | None, selected: int | None = None, show_prompt: bool = True,
+def tokens_html(run: RunResult | None, selected: int | None = None, show_prompt: bool = True,
                 divergence: int | None = None) -> str:
     """Generated text as HTML spans coloured by provenance, with a tooltip per token; the selected iteration's
     tokens are outlined; the first divergence from AR (if any) is marked."""
     if run is None:
         return "<div class='tv-text tv-empty'>No run yet.</div>"
     parts = ["<div class='tv-text'>"]
-    if show_prompt and _get(run, "prompt"):
-        prompt = str(_get(run, "prompt"))
+    if show_prompt and run.prompt:
+        prompt = str(run.prompt)
         if len(prompt) > 160:
             prompt = "…" + prompt[-160:]
         parts.append(f"<span class='tv-prompt' title='prompt'>{html.escape(prompt)}</span>")
@@ -469,9 +438,9 @@ def badge_html(comparison: dict[str, Any] | None, sampled: bool = False) -> str:
             "</span>")
 
 
-def metrics_rows(run: Any, ar_run: Any | None = None) -> dict[str, Any]:
-    m = _get(run, "metrics") or {}
-    row = {"strategy": _get(run, "strategy"),
+def metrics_rows(run: RunResult, ar_run: RunResult | None = None) -> dict[str, Any]:
+    m = run.metrics
+    row = {"strategy": run.strategy,
            "tokens/s": m.get("tokens_per_s"),
            "speedup": None,
            "L̄": m.get("mean_tokens_per_iter"),
@@ -479,15 +448,15 @@ def metrics_rows(run: Any, ar_run: Any | None = None) -> dict[str, Any]:
            "acceptance": m.get("acceptance_rate"),
            "#iterations": m.get("iterations"),
            "new tokens": m.get("new_tokens")}
-    ar_tps = ((_get(ar_run, "metrics") or {}).get("tokens_per_s") if ar_run is not None else None)
+    ar_tps = ar_run.metrics.get("tokens_per_s") if ar_run is not None else None
     if ar_tps and row["tokens/s"]:
         row["speedup"] = row["tokens/s"] / ar_tps
-    elif (_get(run, "comparison") or {}).get("speedup_vs_ar"):
-        row["speedup"] = _get(run, "comparison")["speedup_vs_ar"]  # recorded with a replayed trace
+    elif (run.comparison or {}).get("speedup_vs_ar"):
+        row["speedup"] = run.comparison["speedup_vs_ar"]  # recorded with a replayed trace
     return row
 
 
-def metrics_html(run: Any | None, ar_run: Any | None = None, selected: int | None = None) -> str:
+def metrics_html(run: RunResult | None, ar_run: RunResult | None = None, selected: int | None = None) -> str:
     if run is None:
         return ""
     row = metrics_rows(run, ar_run)
@@ -498,12 +467,12 @@ def metrics_html(run: Any | None, ar_run: Any | None = None, selected: int | Non
              if row["speedup"] else "–"), ("L̄", f(row["L̄"])), ("ℓ̄", f(row["ℓ̄"])),
              ("acceptance", f(row["acceptance"])), ("iterations", f(row["#iterations"])),
              ("new tokens", f(row["new tokens"]))]
-    its = _iterations(run)
+    its = run.iterations
     if selected is not None and 0 <= selected < len(its):
         it = its[selected]
         cells.append((f"iteration {selected}",
-                      f"{_get(it, 'accepted')}/{_get(it, 'drafted')} accepted, +{len(_get(it, 'new_tokens') or [])}"
-                      f" tokens, {(_get(it, 'times') or {}).get('total', 0) * 1000:.0f} ms"))
+                      f"{it.accepted}/{it.drafted} accepted, +{it.committed}"
+                      f" tokens, {it.times.get('total', 0) * 1000:.0f} ms"))
     body = "".join(f"<div style='display:inline-block;margin:0 14px 4px 0'><div style='font-size:11px;"
                    f"color:#6b7280'>{html.escape(k)}</div><div style='font-size:16px;font-weight:600'>"
                    f"{html.escape(v)}</div></div>" for k, v in cells)

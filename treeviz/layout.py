@@ -8,31 +8,29 @@ their children. The root is shifted to breadth 0 so that trees of different iter
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
+
+from engine.trace import NodeRecord
 
 
-def _get(node: Any, key: str):
-    return node[key] if isinstance(node, Mapping) else getattr(node, key)
-
-
-def sibling_key(node: Any) -> tuple:
-    q, rank, status = _get(node, "q"), _get(node, "rank"), _get(node, "status")
+def sibling_key(node: NodeRecord) -> tuple:
+    q, rank, status = node.q, node.rank, node.status
     # the bonus pseudo-node is the target's choice, not a draft candidate: after the draft's candidates
     return (status == "bonus", -(q if q is not None else -1.0), rank if rank is not None else 1 << 30,
-            _get(node, "id"))
+            node.id)
 
 
-def children_map(nodes: Iterable[Any]) -> tuple[int | None, dict[int, list[Any]]]:
+def children_map(nodes: Iterable[NodeRecord]) -> tuple[int | None, dict[int, list[NodeRecord]]]:
     """(root id, parent id -> children sorted by q descending)."""
     root, children = None, {}
     by_id = {}
     for node in nodes:
-        by_id[_get(node, "id")] = node
+        by_id[node.id] = node
     for node in by_id.values():
-        parent = _get(node, "parent")
+        parent = node.parent
         if parent is None or parent < 0 or parent not in by_id:
             if root is None:
-                root = _get(node, "id")
+                root = node.id
             continue
         children.setdefault(parent, []).append(node)
     for kids in children.values():
@@ -40,7 +38,7 @@ def children_map(nodes: Iterable[Any]) -> tuple[int | None, dict[int, list[Any]]
     return root, children
 
 
-def tidy_layout(nodes: Iterable[Any]) -> dict[int, tuple[int, float]]:
+def tidy_layout(nodes: Iterable[NodeRecord]) -> dict[int, tuple[int, float]]:
     """node id -> (depth, breadth). Breadth 0 is the root; successive leaves are 1 apart."""
     nodes = list(nodes)
     root, children = children_map(nodes)
@@ -57,12 +55,12 @@ def tidy_layout(nodes: Iterable[Any]) -> dict[int, tuple[int, float]]:
             pos[node_id] = (depth, next_leaf)
             next_leaf += 1.0
         elif done:
-            first, last = pos[_get(kids[0], "id")][1], pos[_get(kids[-1], "id")][1]
+            first, last = pos[kids[0].id][1], pos[kids[-1].id][1]
             pos[node_id] = (depth, (first + last) / 2.0)
         else:
             stack.append((node_id, depth, True))
             for kid in reversed(kids):
-                stack.append((_get(kid, "id"), depth + 1, False))
+                stack.append((kid.id, depth + 1, False))
     shift = pos[root][1]
     return {k: (d, b - shift) for k, (d, b) in pos.items()}
 

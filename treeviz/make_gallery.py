@@ -12,8 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
-from treeviz.backend import Backend, RunSpec
-from treeviz.ui import TRACE_DIR, load_examples
+from engine.strategies import STRATEGIES
+from treeviz.backend import Backend, Cancel, Done, RunSpec, UserError
+from treeviz.replay import TRACE_DIR
+from treeviz.ui import load_examples
 
 # (file stem, prompt kind, strategy, pair override or None)
 PLAN = (
@@ -27,13 +29,14 @@ PLAN = (
 
 
 def run_one(backend: Backend, spec: RunSpec):
-    job = backend.start("gallery", backend.decode_job, spec)
-    while True:
-        event = job.events.get(timeout=600)
-        if event[0] == "done":
-            return event[1]
-        if event[0] in ("error", "cancelled"):
-            raise SystemExit(f"{spec.strategy} on {spec.pair} failed: {event[1]}")
+    """The run and its comparison with AR, through the same backend loop the app streams from."""
+    backend.pairs.request(spec.pair)
+    while (pair := backend.pairs.ready(spec.pair)) is None:  # raises UserError if the pair cannot load
+        pass
+    done = [item for item in backend.decode(pair, spec, Cancel()) if isinstance(item, Done)]
+    if not done or done[-1].result is None:
+        raise UserError(f"{spec.strategy} on {spec.pair} did not finish")
+    return done[-1].result
 
 
 def main(argv=None) -> None:
@@ -48,7 +51,6 @@ def main(argv=None) -> None:
     examples = load_examples()
     backend = Backend()
     tiny = args.pair.startswith("tiny-random")
-    from engine.strategies import STRATEGIES
     for stem, kind, strategy, pair_override in PLAN:
         if strategy not in STRATEGIES:
             continue

@@ -1,0 +1,131 @@
+"""Hosting shape and bad input: the ZeroGPU-decorated handlers pickle, Space errors read plainly, oversized and
+deeply nested uploads are refused plainly, and 8 clients at once all complete (tiny random pair, 127.0.0.1 only)."""
+from __future__ import annotations
+
+import concurrent.futures
+import pickle
+
+import gradio as gr
+import plotly.graph_objects as go
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+spaces = pytest.importorskip("spaces")
+from gradio_client import Client, handle_file  # noqa: E402
+from spaces.zero.gradio import error as zero_gpu_error  # noqa: E402  (how `spaces` builds its errors)
+
+from test_ui_support import app_url, backend  # noqa: E402
+from treeviz import handlers  # noqa: E402
+from treeviz.backend import RunSpec  # noqa: E402
+from treeviz.gpu import is_zero_gpu_error, zero_gpu_message  # noqa: E402
+from treeviz.replay import MAX_TRACE_MB  # noqa: E402
+
+STATUS, TREE = 1, 3
+
+
+def test_decorated_run_handler_arguments_and_yields_pickle():
+    """On ZeroGPU, decode_views runs in a forked worker: its arguments and every yielded value cross by pickle."""
+    backend().pairs.load("tiny-random")  # the pair the handler reads from the process-wide backend
+    args = (RunSpec(pair="tiny-random", prompt="def f(n):\n", strategy="dynatree", max_new_tokens=40),
+            "pickle-session", "per iteration")
+    pickle.loads(pickle.dumps(args))
+    outputs = list(handlers.decode_views(*args))
+    for out in outputs:
+        again = pickle.loads(pickle.dumps(out))
+        assert len(again) == len(out) == handlers.N_RUN_OUTPUTS
+    final = outputs[-1]
+    assert final[0].iterations and final[1].strategy == "ar"  # the run and its AR baseline
+    assert "tokens/s" in final[3]
+    assert any(isinstance(o[5], go.Figure) for o in outputs[:-1])  # trees streamed before the end
+
+
+def test_decorated_compare_handler_arguments_and_yields_pickle():
+    backend().pairs.load("tiny-random")
+    args = (RunSpec(pair="tiny-random", prompt="hello", strategy="linear", max_new_tokens=12), "pickle-compare",
+            ["linear", "fixed"])
+    pickle.loads(pickle.dumps(args))
+    outputs = list(handlers.compare_views(*args))
+    for out in outputs:
+        pickle.loads(pickle.dumps(out))
+    assert "compared 3 methods" in outputs[-1][0]
+
+
+def test_zero_gpu_errors_read_plainly():
+    quota = zero_gpu_error("ZeroGPU quota exceeded", "You have exceeded your GPU quota (60s requested vs. 12s left). "
+                           "<a href='https://huggingface.co/join'>Sign up</a> for more.", html=True)
+    aborted = zero_gpu_error("ZeroGPU worker error", "GPU task aborted")
+    assert is_zero_gpu_error(quota) and is_zero_gpu_error(aborted)
+    assert not is_zero_gpu_error(gr.Error("The prompt is empty"))
+    text = zero_gpu_message(quota)
+    assert text.startswith("ZeroGPU quota exceeded: You have exceeded") and "<a" not in text and "Sign up" in text
+    assert "GPU time slot" in zero_gpu_message(aborted)
+
+
+def test_run_shows_a_zero_gpu_error_as_a_status_line(monkeypatch):
+    """ZeroGPU's scheduler raises from the decorated call (here: its own error, raised where it would be)."""
+    def refused(spec, session, stage_mode):
+        raise zero_gpu_error("ZeroGPU quota exceeded", "You have exceeded your GPU quota (60s requested vs. 12s left).")
+        yield  # a generator, like the decorated handler
+
+    monkeypatch.setattr(handlers, "decode_views", refused)
+    backend().pairs.load("tiny-random")
+    request = gr.Request(username=None)
+    request.session_hash = "quota-session"
+    outputs = list(handlers.run("hi", False, "tiny-random", "linear", "cpu", 8, 0.0, 1.0, 0, 0, "auto", {},
+                                "per iteration", request))
+    assert "ZeroGPU quota exceeded" in outputs[-1][3] and "err" in outputs[-1][3]
+
+
+@pytest.fixture(scope="module")
+def client():
+    return Client(app_url(), verbose=False)
+
+
+def test_oversized_trace_upload_is_refused_plainly(client, tmp_path):
+    big = tmp_path / "big.json"
+    with big.open("w") as f:
+        f.write('{"schema_version": 1, "pad": "')
+        f.write("x" * (MAX_TRACE_MB * 1024 * 1024 + 1))
+        f.write('"}')
+    out = client.predict(handle_file(str(big)), "per iteration", api_name="/upload")
+    assert "Cannot replay" in out[STATUS] and f"up to {MAX_TRACE_MB} MB" in out[STATUS]
+
+
+def test_deeply_nested_json_upload_is_a_plain_message(client, tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    out = client.predict(handle_file(str(deep)), "per iteration", api_name="/upload")
+    assert "nested too deeply" in out[STATUS] and "Recursion" not in out[STATUS]
+
+
+def test_eight_clients_at_once_all_complete():
+    """Eight sessions run at once on the tiny pair: they queue on the pair's lock and all finish."""
+    url = app_url()
+
+    def one(i: int) -> str:
+        c = Client(url, verbose=False)
+        return c.predict(f"def f{i}(n):\n", False, "tiny-random", "linear", "cpu", 16, api_name="/run")[STATUS]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(one, range(8), timeout=300))
+    assert all("16 tokens in" in s for s in statuses), statuses
+
+
+def test_space_front_matter_matches_the_app():
+    """The README front matter lists every hub preset's models, the Gradio the app pins, and a Python whose torch
+    requirement line is ZeroGPU's range."""
+    from pathlib import Path
+
+    from treeviz.backend import GPU_PRESET, HUB_PRESETS, split_pair
+    root = Path(__file__).resolve().parent.parent
+    front = (root / "README.md").read_text().split("---")[1]
+    lines = [line.strip() for line in front.splitlines()]
+    models = [line[2:] for line in lines if line.startswith("- ")]
+    assert models == [m for preset in HUB_PRESETS for m in split_pair(preset)]
+    assert GPU_PRESET in HUB_PRESETS
+    requirements = (root / "requirements.txt").read_text()
+    assert f"sdk_version: {gr.__version__}" in lines and f"gradio=={gr.__version__}" in requirements
+    assert 'python_version: "3.12"' in lines and "suggested_hardware: zero-a10g" in lines
+    assert 'torch>=2.8,<2.12; python_version >= "3.12"' in requirements  # ZeroGPU: PyTorch 2.8-2.11
+    from importlib.metadata import version
+    assert f"spaces=={version('spaces')}" in requirements  # the version the ZeroGPU tests here ran against

@@ -1,0 +1,214 @@
+"""The Gradio handlers that touch models: Run and Compare, plus Stop.
+
+One run path: a plain generator handler validates its inputs, waits (on CPU) for the model pair, then hands over to
+a generator decorated with `spaces.GPU` that iterates the engine's DecodeRun itself and yields component updates.
+That decorated generator takes only picklable arguments (a RunSpec, the session id, plain strings) and yields only
+picklable values (tuples of strings, dicts, plotly figures, RunResults): on a ZeroGPU Space it runs in another
+process. Stop is Gradio's own cancellation (`cancels=`) plus the session's cancel flag, checked between iterations.
+
+Run outputs, in order: run state, AR state, scrubber, run status, download, then the six views (views.VIEW_NAMES).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any, Iterator
+
+import gradio as gr
+
+from engine.strategies import STRATEGIES
+from treeviz import figures as F
+from treeviz.backend import (BACKEND, USER_FACING, Cancel, RunSpec, Status, Step, UserError,
+                             friendly_error)
+from treeviz.gpu import GPU_SECONDS_MAX, gpu, is_zero_gpu_error, zero_gpu_message
+from treeviz.views import (PENDING_BADGE, compare_row, compare_table, last_index, render_views, run_summary,
+                           save_trace, status_html, streamed_views)
+
+log = logging.getLogger("treeviz")
+UPDATE_INTERVAL = 0.25  # seconds between streamed updates after the first (at most ~4/s: figures cost ms each)
+SKIP = gr.skip()
+N_RUN_OUTPUTS = 11
+
+
+def spec_from_inputs(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_tokens: float,
+                     temperature: float, top_p: float, top_k: float, seed: float, verifier: str,
+                     params: dict | None) -> RunSpec:
+    """Validate the named inputs of /run and /compare; gr.Error (a plain message) on nonsense."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise gr.Error("The prompt is empty: type some text or pick an example prompt.")
+    if not isinstance(pair, str) or not pair.strip():
+        raise gr.Error("Choose a model pair (e.g. tiny-random) or type 'target + draft' hub ids.")
+    if strategy not in STRATEGIES:
+        raise gr.Error(f"Unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}.")
+    if params is not None and not isinstance(params, dict):
+        raise gr.Error("params must be a JSON object of strategy parameter names and values, e.g. {\"d0\": 3}.")
+    missing = [name for name, value in (params or {}).items() if value is None]
+    if missing:
+        raise gr.Error(f"{', '.join(missing)} needs a value.")
+    try:
+        return RunSpec(pair=str(pair), prompt=[{"role": "user", "content": prompt}] if chat else prompt,
+                       strategy=strategy, preset=preset or "cpu", params=dict(params or {}),
+                       max_new_tokens=int(max_new_tokens), temperature=float(temperature or 0.0),
+                       top_p=float(top_p), top_k=int(top_k or 0), seed=int(seed or 0),
+                       verifier=str(verifier or "auto"))
+    except (TypeError, ValueError) as err:
+        raise gr.Error(f"Bad setting: {err}") from None
+
+
+def wait_for_pair(name: str, cancel: Cancel, status_only: bool = False) -> Iterator[tuple]:
+    """Yield loading progress until the pair is ready (on CPU, outside the GPU slot); UserError if it fails."""
+    BACKEND.pairs.request(name)
+    last = 0.0
+    while BACKEND.pairs.ready(name) is None and not cancel.is_set():
+        if time.monotonic() - last > 0.5:
+            last = time.monotonic()
+            frac, msg = BACKEND.pairs.status()["progress"]
+            html = status_html(f"waiting for the models: {msg}", progress=frac)
+            yield (html,) if status_only else (SKIP, SKIP, SKIP, html) + (SKIP,) * 7
+
+
+# -- Run ---------------------------------------------------------------------------------------------------------------
+def run(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_tokens: float, temperature: float,
+        top_p: float, top_k: float, seed: float, verifier: str, params: dict, stage_mode: str,
+        request: gr.Request) -> Iterator[tuple]:
+    """Decode the prompt with the strategy, streaming the tree after every iteration; AR runs beside it."""
+    spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
+                            verifier, params)
+    session = request.session_hash or "default"
+    cancel = BACKEND.begin(session)
+    try:
+        # a fresh run: clear the previous run's views that would otherwise look current
+        yield (None, None, gr.update(value=0, maximum=1), status_html(f"starting {spec.strategy} on {spec.pair}…"),
+               None, SKIP, SKIP, "", F.charts_figure(None), F.throughput_figure(None, None), PENDING_BADGE)
+        yield from wait_for_pair(spec.pair, cancel)
+        if not cancel.is_set():
+            yield from decode_views(spec, session, stage_mode)
+    except UserError as err:
+        yield (SKIP, SKIP, SKIP, status_html(str(err), error=True)) + (SKIP,) * 7
+    except gr.Error as err:
+        if not is_zero_gpu_error(err):
+            raise
+        yield (SKIP, SKIP, SKIP, status_html(zero_gpu_message(err), error=True)) + (SKIP,) * 7
+    finally:
+        BACKEND.end(session, cancel)
+
+
+def _run_seconds(spec: RunSpec, session: str, stage_mode: str) -> int:
+    """The GPU slot to ask ZeroGPU for: generous per token, capped (longer asks wait longer in its queue)."""
+    return min(GPU_SECONDS_MAX, 20 + spec.max_new_tokens // 4)
+
+
+@gpu(duration=_run_seconds)
+def decode_views(spec: RunSpec, session: str, stage_mode: str) -> Iterator[tuple]:
+    """Iterate the decoding loop under the pair's lock; yield run outputs (picklable: see the module docstring)."""
+    cancel = BACKEND.cancel_of(session)
+    frame, framed, last_emit = None, 0, 0.0
+    try:
+        pair = BACKEND.pairs.ready(spec.pair, timeout=0)
+        if pair is None:
+            raise UserError("the model pair is not loaded yet: press Run again")
+        for item in BACKEND.decode(pair, spec, cancel):
+            if isinstance(item, Status):
+                yield (SKIP, SKIP, SKIP, status_html(item.text)) + (SKIP,) * 7
+            elif isinstance(item, Step):
+                now = time.monotonic()
+                if now - last_emit >= UPDATE_INTERVAL and not cancel.is_set():
+                    last_emit = now  # a snapshot only when shown: it re-decodes the text and recomputes metrics
+                    snap = item.run.snapshot()
+                    for it in snap.iterations[framed:]:  # the live frame grows to fit every tree so far
+                        frame = F.grow_frame(frame, it)
+                    framed = len(snap.iterations)
+                    yield _streamed(spec, snap, frame)
+            elif item.result is not None:
+                yield _finished(item.result, item.ar, stage_mode)
+            elif not cancel.superseded:  # a newer run of this session owns the views: leave them alone
+                yield (SKIP, SKIP, SKIP, status_html("stopped")) + (SKIP,) * 7
+    except Exception as err:  # noqa: BLE001 - engine errors become one plain line, the traceback goes to the log
+        if not isinstance(err, USER_FACING):
+            log.warning("run failed:\n%s", traceback.format_exc())
+        yield (SKIP, SKIP, SKIP, status_html(friendly_error(err), error=True)) + (SKIP,) * 7
+
+
+def _streamed(spec: RunSpec, snap, frame: dict) -> tuple:
+    n = len(snap.iterations)
+    status = status_html(f"decoding with {spec.strategy}: iteration {n - 1}, {snap.metrics['new_tokens']} tokens, "
+                         f"{snap.metrics['total_s']:.1f}s")
+    # the snapshot goes to the run state too: after a Stop the views scrub what was streamed
+    return (snap, None, gr.update(maximum=max(1, n - 1), value=n - 1), status, SKIP,
+            *streamed_views(snap, frame), SKIP, SKIP, SKIP)
+
+
+def _finished(result, ar, stage_mode: str) -> tuple:
+    n = last_index(result)
+    return (result, ar, gr.update(maximum=max(1, n or 0), value=n or 0), status_html(run_summary(result)),
+            save_trace(result), *render_views(result, ar, n, stage_mode))
+
+
+def stop(request: gr.Request) -> str:
+    """Stop button: raise the session's cancel flag (Gradio's `cancels=` ends the handler itself)."""
+    if not BACKEND.stop(request.session_hash or "default"):
+        gr.Info("Nothing is running.")
+        return SKIP
+    return status_html("stopped: the views show the run up to the last streamed iteration")
+
+
+# -- Compare -------------------------------------------------------------------------------------------------------
+def compare(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_tokens: float,
+            temperature: float, top_p: float, top_k: float, seed: float, verifier: str, params: dict,
+            methods: list[str], request: gr.Request) -> Iterator[tuple]:
+    """AR and each ticked strategy on the same prompt: a table row and a first tree per method."""
+    spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
+                            verifier, params)
+    methods = [m for m in (methods or []) if m in STRATEGIES and m != "ar"]
+    if not methods:
+        raise gr.Error("Tick at least one strategy to compare with AR.")
+    session = request.session_hash or "default"
+    cancel = BACKEND.begin(session)
+    try:
+        yield status_html("comparing: measuring AR first…"), SKIP, SKIP
+        for (html,) in wait_for_pair(spec.pair, cancel, status_only=True):
+            yield html, SKIP, SKIP
+        if not cancel.is_set():
+            yield from compare_views(spec, session, methods)
+    except UserError as err:
+        yield status_html(str(err), error=True), SKIP, SKIP
+    except gr.Error as err:
+        if not is_zero_gpu_error(err):
+            raise
+        yield status_html(zero_gpu_message(err), error=True), SKIP, SKIP
+    finally:
+        BACKEND.end(session, cancel)
+
+
+def _compare_seconds(spec: RunSpec, session: str, methods: list[str]) -> int:
+    return min(GPU_SECONDS_MAX, 20 + (1 + len(methods)) * spec.max_new_tokens // 4)
+
+
+@gpu(duration=_compare_seconds)
+def compare_views(spec: RunSpec, session: str, methods: list[str]) -> Iterator[tuple[Any, Any, Any]]:
+    """(status, table, small multiples) after each method; picklable like decode_views."""
+    cancel = BACKEND.cancel_of(session)
+    rows, trees = [], []
+    try:
+        pair = BACKEND.pairs.ready(spec.pair, timeout=0)
+        if pair is None:
+            raise UserError("the model pair is not loaded yet: press Compare again")
+        for item in BACKEND.compare(pair, spec, methods, cancel):
+            if isinstance(item, Status):
+                yield status_html(item.text), SKIP, SKIP
+                continue
+            rows.append(compare_row(item.result, item.ar))
+            if item.result is not item.ar and item.result.iterations:
+                trees.append((item.result.strategy, item.result.iterations[0]))
+            yield (status_html(f"compare: {item.result.strategy} done"), compare_table(rows),
+                   F.small_multiples(trees) if trees else SKIP)
+        if cancel.is_set():
+            yield (status_html("comparison stopped") if not cancel.superseded else SKIP), SKIP, SKIP
+        elif rows:  # the last value carries everything: an API caller reads only the last
+            yield (status_html(f"compared {len(rows)} methods on the same prompt"), compare_table(rows),
+                   F.small_multiples(trees))
+    except Exception as err:  # noqa: BLE001 - one plain line for the user, the traceback to the log
+        if not isinstance(err, USER_FACING):
+            log.warning("compare failed:\n%s", traceback.format_exc())
+        yield status_html(friendly_error(err), error=True), SKIP, SKIP
