@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.trace import IterationRecord, RunResult
+from engine.trace import ACCEPTED, REJECTED, IterationRecord, RunResult
 
 STAGES = ("draft", "build", "verify", "commit", "other")
 
@@ -48,3 +48,19 @@ def compare_outputs(run: RunResult, reference: RunResult) -> dict[str, Any]:
     if reference.metrics.get("tokens_per_s") and run.metrics.get("tokens_per_s"):
         out["speedup_vs_ar"] = run.metrics["tokens_per_s"] / reference.metrics["tokens_per_s"]
     return out
+
+
+def calibration(iterations: list[IterationRecord], bins: int = 10) -> list[dict[str, Any]]:
+    """DySpec's Hypothesis 1 (a draft token's chance of acceptance is about its draft probability q), measured: every
+    node the verification looked at (accepted or rejected; unreached nodes were never tested) binned by q into equal
+    bins on [0, 1], with the fraction accepted. Bins with no node are left out."""
+    counts = [[0, 0, 0.0] for _ in range(bins)]  # tested, accepted, sum of q
+    for it in iterations:
+        for node in it.nodes:
+            if node.status in (ACCEPTED, REJECTED) and node.q is not None:
+                cell = counts[min(int(node.q * bins), bins - 1)]
+                cell[0] += 1
+                cell[1] += node.status == ACCEPTED
+                cell[2] += node.q
+    return [{"lo": i / bins, "hi": (i + 1) / bins, "nodes": n, "accepted": a / n, "mean_q": q / n}
+            for i, (n, a, q) in enumerate(counts) if n]
