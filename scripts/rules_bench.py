@@ -74,10 +74,12 @@ def main():
     ap.add_argument("--prompt-set", default="all", help="code | chat | prose | all")
     ap.add_argument("--limit", type=int, default=0, help="prompts per set (0: every prompt)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--trees", help="comma-separated tree labels to run (default: every row), e.g. 'iid (3,2,2)'")
+    ap.add_argument("--trees", help="';'-separated tree labels to run (default: every row), e.g. 'iid (3,2,2)'")
     ap.add_argument("--json", help="write every measurement to this file")
     args = ap.parse_args()
-    rows = [r for r in ROWS if not args.trees or r[0] in args.trees.split(",")]
+    rows = [r for r in ROWS if not args.trees or r[0] in args.trees.split(";")]
+    if not rows:
+        ap.error(f"--trees matches no row; the trees are: {'; '.join(dict.fromkeys(r[0] for r in ROWS))}")
 
     pair = load_pair(*PAIRS[args.pair], dtype=args.dtype)
     sets = list(PROMPT_SETS) if args.prompt_set == "all" else [args.prompt_set]
