@@ -6,20 +6,17 @@ two emitted tokens still matches the target's exact joint for every sampling rul
 tokens do get emitted: through the residual / bonus draw, with the target's probability.
 """
 import json
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from chisq import chi_square_pvalue
+from test_sampling import ALPHA, V, compatible, first_two_counts, target_joint, tiny_v8_pair
 from engine.decoder import Decoder
 from engine.drafter import Drafter
 from engine.models import ModelLoadError, load_pair
-from engine.sampling import Sampling
 from engine.strategies import STRATEGIES, make_strategy
-from engine.verify import VERIFIERS, VerificationError, make_verifier
+from engine.verify import VERIFIERS
 from engine.vocab import TrimmedHead, build_table, draft_vocab_ids, frequency_table, tokenizer_fingerprint, trim_head
 
 
@@ -115,63 +112,16 @@ def test_bad_draft_options_are_refused(cache):
 
 
 # -- sampling with a trimmed q: an 8-token pair whose draft scores only tokens 0..4 ---------------------------------
-V, PROMPT, ALPHA, RUNS = 8, "abcab", 1e-3, 300
+RUNS = 300
 KEPT = [0, 1, 2, 3, 4]
 SAMPLING = dict(temperature=1.0)
-SMALL = {"linear": {"k": 2}, "fixed": {"depth": 2, "branch": 2}, "dynatree": {"budget": 6, "d0": 2, "d_max": 3},
-         "dyspec": {"budget": 6, "max_depth": 2}, "salf": {"n": 6, "b": 3, "max_depth": 2},
-         "eagle2": {"n": 6, "k": 2, "depth": 2}, "ddtree": {"budget": 6, "block": 2},
-         "delayed": {"k": 2, "l1": 1, "l2": 1}}
-
-
-class ModTokenizer:
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) % V for c in text]}
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(97 + int(i)) for i in ids)
 
 
 @pytest.fixture(scope="module")
 def trimmed_pair():
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3,
-                      tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    target, draft = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
-    draft.load_state_dict(target.state_dict())
-    with torch.no_grad():
-        for w in draft.parameters():
-            w.add_(torch.randn_like(w) * 0.05 * w.std().clamp(min=1e-3))
-    trim_head(draft, KEPT)
-    return SimpleNamespace(target=target, draft=draft, tokenizer=ModTokenizer(), device=torch.device("cpu"),
-                           dtype=torch.float32, target_name="tiny-v8", draft_name="tiny-v8-trimmed",
-                           eos_token_ids=[], costs=None)
-
-
-def target_joint(pair) -> np.ndarray:
-    process = Sampling(**SAMPLING).process
-    ids = ModTokenizer()(PROMPT)["input_ids"]
-    with torch.no_grad():
-        first = process(pair.target(torch.tensor([ids])).logits[0, -1]).double()
-        joint = np.zeros((V, V))
-        for y in range(V):
-            second = process(pair.target(torch.tensor([ids + [y]])).logits[0, -1]).double()
-            joint[y] = (first[y] * second).numpy()
-    return joint.reshape(-1)
-
-
-def compatible(name: str) -> list[str]:
-    rules = []
-    for rule, cls in VERIFIERS.items():
-        try:
-            if not cls.greedy_only:
-                cls().check_strategy(make_strategy(name, **SMALL.get(name, {})))
-                rules.append(rule)
-        except VerificationError:
-            pass
-    return rules
+    pair = tiny_v8_pair("tiny-v8-trimmed")
+    trim_head(pair.draft, KEPT)
+    return pair
 
 
 # Every sampling rule, each on the first of these strategies that it can check.
@@ -185,16 +135,8 @@ for _rule in VERIFIERS:
 
 @pytest.mark.parametrize("name,rule", CASES)
 def test_sampling_with_a_trimmed_q_follows_the_target(trimmed_pair, name, rule):
-    counts = np.zeros(V * V, dtype=np.int64)
-    for seed in range(RUNS):
-        params = dict(SMALL.get(name, {}))
-        if any(p.name == "seed" for p in STRATEGIES[name].params):
-            params["seed"] = seed
-        decoder = Decoder(trimmed_pair, make_strategy(name, **params), make_verifier(rule),
-                          Sampling(**SAMPLING, seed=seed))
-        out = decoder.generate(PROMPT, max_new_tokens=2, stop_on_eos=False).output_ids
-        counts[out[0] * V + out[1]] += 1
-    joint = target_joint(trimmed_pair)
+    counts = first_two_counts(trimmed_pair, name, rule, runs=RUNS, sampling=SAMPLING)
+    joint = target_joint(trimmed_pair, SAMPLING)
     second = counts.reshape(V, V).sum(axis=0)
     assert second[[t for t in range(V) if t not in KEPT]].sum() > 0  # tokens the draft cannot propose are emitted
     pvalue = chi_square_pvalue(counts, joint)

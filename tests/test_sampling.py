@@ -74,8 +74,8 @@ class ModTokenizer:
         return "".join(chr(97 + int(i)) for i in ids)
 
 
-@pytest.fixture(scope="module")
-def small_pair():
+def tiny_v8_pair(draft_name: str = "tiny-v8-draft") -> "NoEosPair":
+    """An 8-token target and a related draft (close to the target, not equal); shared with test_draft_options."""
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3,
@@ -83,10 +83,15 @@ def small_pair():
     cfg._attn_implementation = "sdpa"
     target, draft = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
     draft.load_state_dict(target.state_dict())
-    with torch.no_grad():  # a related draft: close to the target, not equal
+    with torch.no_grad():
         for w in draft.parameters():
             w.add_(torch.randn_like(w) * 0.05 * w.std().clamp(min=1e-3))
-    return NoEosPair(target, draft, ModTokenizer(), torch.device("cpu"), torch.float32, "tiny-v8", "tiny-v8-draft")
+    return NoEosPair(target, draft, ModTokenizer(), torch.device("cpu"), torch.float32, "tiny-v8", draft_name)
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    return tiny_v8_pair()
 
 
 class NoEosPair(ModelPair):
@@ -97,9 +102,9 @@ class NoEosPair(ModelPair):
         return []
 
 
-def target_joint(pair) -> np.ndarray:
+def target_joint(pair, sampling: dict = SAMPLING) -> np.ndarray:
     """Exact P(first two tokens) under the target with the test's sampling rule."""
-    process = Sampling(**SAMPLING).process
+    process = Sampling(**sampling).process
     ids = ModTokenizer()(PROMPT)["input_ids"]
     with torch.no_grad():
         first = process(pair.target(torch.tensor([ids])).logits[0, -1]).double()
@@ -121,14 +126,14 @@ SMALL = {"linear": {"k": 2}, "fixed": {"depth": 2, "branch": 2}, "dynatree": {"b
 RUNS = 200
 
 
-def first_two_counts(pair, name, rule, runs=RUNS, extra=None) -> np.ndarray:
+def first_two_counts(pair, name, rule, runs=RUNS, extra=None, sampling: dict = SAMPLING) -> np.ndarray:
     counts = np.zeros(V * V, dtype=np.int64)
     for seed in range(runs):
         params = {**SMALL.get(name, {}), **(extra or {})}
         if any(p.name == "seed" for p in STRATEGIES[name].params):
             params["seed"] = seed  # a strategy with its own draft sampler: fresh draws every run
         verifier = rule() if isinstance(rule, type) else (make_verifier(rule) if rule else None)
-        decoder = Decoder(pair, make_strategy(name, **params), verifier, Sampling(**SAMPLING, seed=seed))
+        decoder = Decoder(pair, make_strategy(name, **params), verifier, Sampling(**sampling, seed=seed))
         out = decoder.generate(PROMPT, max_new_tokens=2, stop_on_eos=False).output_ids
         counts[out[0] * V + out[1]] += 1
     return counts
