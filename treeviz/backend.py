@@ -294,8 +294,10 @@ class Backend:
             self.ar_cache[key] = run.result
         yield self.ar_cache[key]
 
-    def decode(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | Step | Done]:
-        """Decode `spec` under the pair's lock: a Step after every iteration, then Done (with AR beside it)."""
+    def holding(self, cancel: Cancel, body: Iterator, cancelled: tuple = ()) -> Iterator:
+        """`body`'s items, produced while holding the pair's run lock (a Status while waiting for it; `cancelled`'s
+        items instead if the run is cancelled first). The lock is released when the body ends or the consumer
+        closes this generator (Stop)."""
         held = False
         try:
             for item in self.locked(cancel):
@@ -304,64 +306,62 @@ class Backend:
                 else:
                     yield item
             if not held:
-                yield Done(None)
+                yield from cancelled
                 return
-            run = self._run(pair, spec, spec.strategy, spec.params, spec.preset)
-            for _ in run:
-                yield Step(run)
-                if cancel.is_set():
-                    yield Done(None)
-                    return
-            result, ar = run.result, None
-            for item in self.ar(pair, spec, cancel) if spec.strategy != "ar" else [result]:
-                if isinstance(item, Status):
-                    yield item
-                else:
-                    ar = item
-            if spec.strategy == "ar":
-                self.ar_cache[self._ar_key(pair, spec)] = result
-            if ar is None:
-                yield Done(None)
-                return
-            attach_comparison(result, ar)
-            yield Done(result, ar)
+            yield from body
         finally:
             if held:
                 self.pairs.run_lock.release()
 
+    def decode(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | Step | Done]:
+        """Decode `spec` under the pair's lock: a Step after every iteration, then Done (with AR beside it)."""
+        return self.holding(cancel, self._decode(pair, spec, cancel), cancelled=(Done(None),))
+
+    def _decode(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | Step | Done]:
+        run = self._run(pair, spec, spec.strategy, spec.params, spec.preset)
+        for _ in run:
+            yield Step(run)
+            if cancel.is_set():
+                yield Done(None)
+                return
+        result, ar = run.result, None
+        for item in self.ar(pair, spec, cancel) if spec.strategy != "ar" else [result]:
+            if isinstance(item, Status):
+                yield item
+            else:
+                ar = item
+        if spec.strategy == "ar":
+            self.ar_cache[self._ar_key(pair, spec)] = result
+        if ar is None:
+            yield Done(None)
+            return
+        attach_comparison(result, ar)
+        yield Done(result, ar)
+
     def compare(self, pair, spec: RunSpec, methods: list[str], cancel: Cancel) -> Iterator[Status | Done]:
         """AR and each of `methods` on one prompt; a Done(result, ar) per method, AR first."""
-        held = False
-        try:
-            for item in self.locked(cancel):
-                if item is True:
-                    held = True
-                else:
-                    yield item
-            if not held:
-                return
-            ar = None
-            for item in self.ar(pair, spec, cancel):
-                if isinstance(item, Status):
-                    yield item
-                else:
-                    ar = item
-            if ar is None:
-                return
-            attach_comparison(ar, ar)
-            yield Done(ar, ar)
-            for name in methods:
-                yield Status(f"running {name}…")
-                params = spec.params if name == spec.strategy else {}
-                run = self._run(pair, spec, name, params, spec.preset if name == spec.strategy else "cpu")
-                for _ in run:
-                    if cancel.is_set():
-                        return
-                attach_comparison(run.result, ar)
-                yield Done(run.result, ar)
-        finally:
-            if held:
-                self.pairs.run_lock.release()
+        return self.holding(cancel, self._compare(pair, spec, methods, cancel))
+
+    def _compare(self, pair, spec: RunSpec, methods: list[str], cancel: Cancel) -> Iterator[Status | Done]:
+        ar = None
+        for item in self.ar(pair, spec, cancel):
+            if isinstance(item, Status):
+                yield item
+            else:
+                ar = item
+        if ar is None:
+            return
+        attach_comparison(ar, ar)
+        yield Done(ar, ar)
+        for name in methods:
+            yield Status(f"running {name}…")
+            params = spec.params if name == spec.strategy else {}
+            run = self._run(pair, spec, name, params, spec.preset if name == spec.strategy else "cpu")
+            for _ in run:
+                if cancel.is_set():
+                    return
+            attach_comparison(run.result, ar)
+            yield Done(run.result, ar)
 
 
 def attach_comparison(result: RunResult, ar: RunResult) -> None:
