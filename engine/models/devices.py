@@ -1,0 +1,80 @@
+"""Where models run and in what precision, and where converted models are cached.
+
+`resolve_device` and `resolve_dtype` turn the user's words ("auto", "cuda:1", "bf16") into torch objects or a
+ModelLoadError that says what to use instead; "auto" picks bf16 only where it is fast (CUDA, or a CPU with native
+bf16 dot products), else fp32, which keeps greedy decoding exact.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from engine.models.pair import ModelLoadError
+
+
+def cache_dir() -> Path:
+    """$TREEVIZ_CACHE or ~/.cache/treeviz: converted models are gigabytes and must never land in the repo."""
+    root = os.environ.get("TREEVIZ_CACHE") or Path.home() / ".cache" / "treeviz"
+    return Path(root).expanduser()
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """"auto" -> cuda if available else cpu. Also cpu, cuda, cuda:N, mps."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ModelLoadError(f"Unknown device {name!r}. Use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'.")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"Device {name!r} was asked for but CUDA is not available in this torch build or "
+                                 "on this machine. Use --device cpu (or 'auto').")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"Device {name!r} does not exist: this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s).")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError("Device 'mps' was asked for but is not available here. Use --device cpu (or 'auto').")
+    return device
+
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def cpu_has_fast_bf16() -> bool:
+    # bf16 by default only where the CPU has native bf16 dot products; elsewhere fp32 keeps greedy decoding exact.
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto": cuda -> bf16 (fp16 on GPUs without bf16); cpu -> bf16 only with native bf16 instructions, else fp32."""
+    if isinstance(name, torch.dtype):
+        if name in _DTYPES.values():
+            return name
+        raise ModelLoadError(f"Unsupported dtype {name}. Use fp32, bf16 or fp16.")
+    key = str(name or "auto").strip().lower().removeprefix("torch.")
+    if key == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cpu" and cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if key not in _DTYPES:
+        raise ModelLoadError(f"Unknown dtype {name!r}. Use 'auto', 'fp32'/'float32', 'bf16'/'bfloat16' or "
+                             "'fp16'/'float16'.")
+    return _DTYPES[key]
