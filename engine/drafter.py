@@ -37,6 +37,12 @@ class Drafter:
         self.cached = 0  # committed tokens held in the draft cache
         self.forwards = 0
         self.seconds = 0.0
+        # The neural selector's features (engine/selector.py), kept only when a strategy wants them: the q that drew
+        # the current root (`prev_dist`), from this iteration's root forward when the previous token is pending,
+        # else from the node the last iteration expanded there.
+        self.taps = None
+        self.prev_dist: torch.Tensor | None = None
+        self.dists: dict[int, torch.Tensor] = {}
 
     # -- per iteration -------------------------------------------------------------------------------------------
     def begin(self, tree: DraftTree, committed: list[int]) -> None:
@@ -49,6 +55,7 @@ class Drafter:
         self.forwards = 0
         self.seconds = 0.0
         self.row_counts: list[int] = []  # rows of each draft forward this iteration (the cost model prices them)
+        self.dists = {}
 
     def expand(self, nodes: list[int]) -> torch.Tensor:
         """One draft forward over `nodes`; returns their processed next-token distributions q, float32 [k, V]."""
@@ -68,19 +75,24 @@ class Drafter:
         self.seconds += time.perf_counter() - start
         for node, dist in zip(nodes, probs):
             tree.confidence[node] = float(dist.max())
+            if self.taps is not None:
+                self.dists[node] = dist
         return probs
 
     def _forward_root(self) -> torch.Tensor:
         ids = self.pending + [self.tree.root_token]
         positions = torch.arange(self.cached, self.root_pos + 1, device=self.device)[None]
+        keep = 2 if self.taps is not None and self.pending else 1  # the pending row before the root drew the root
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
         )
         self.rows[0] = self.root_pos
+        if keep == 2:
+            self.prev_dist = self.process(out.logits[0, :1].float())[0]
         return out.logits[0, -1:]
 
     def _forward_nodes(self, nodes: list[int]) -> torch.Tensor:
@@ -118,6 +130,8 @@ class Drafter:
         """Keep the committed part of the draft cache: the root and the accepted nodes the draft expanded."""
         if 0 not in self.rows:
             return  # this iteration drafted nothing; the cache is untouched
+        if self.taps is not None:  # q after the last accepted node drew the next root (if the draft expanded it)
+            self.prev_dist = self.dists.get(path[-1], self.prev_dist)
         kept = []
         for node in path[1:]:
             if node not in self.rows:

@@ -13,10 +13,14 @@ every reset: runs repeat either way.
 With `without_replacement` the K branch tokens at a node are distinct instead: the i-th is drawn from q with the
 earlier siblings' tokens removed and renormalised (child mode "without_replacement", for SpecInfer's
 without-replacement variant; rules that need i.i.d. children refuse it).
-The paper picks (K, L1, L2) per iteration with a neural selector; here they are fixed parameters.
+With `neural_selector` (the paper's §6) the shape is chosen per iteration, right after the draft's root forward
+(which every shape begins with), by the trained selector of the run's rule family (engine/selector.py,
+assets/selector/); K, L1, L2 are then ignored. The choice and its predicted tokens/s go to the iteration's
+`extra["selector"]`, the shape also to its params. Losslessness never depends on it: every choice is a delayed tree.
 """
 import torch
 
+from engine import selector as neural
 from engine.strategies.base import Param, Strategy, StrategyError
 
 
@@ -35,6 +39,8 @@ class Delayed(Strategy):
         Param("seed", 0, 0, 2**31 - 1, 1, "seed", "draft sampler seed when decoding greedily (else the run's seed)"),
         Param("without_replacement", False, label="draw without replacement",
               help="branch tokens at a node are distinct: each drawn with the earlier siblings removed"),
+        Param("neural_selector", False, label="neural selector",
+              help="choose (K, L1, L2) per iteration with the trained selector (K, L1, L2 above are then ignored)"),
     )
     presets = {
         "cpu": {"k": 4, "l1": 2, "l2": 1, "temperature": 1.0, "greedy_trunk": False},
@@ -44,15 +50,38 @@ class Delayed(Strategy):
 
     def check(self) -> None:
         c = self.config
-        if c["l1"] + c["l2"] == 0:
+        self.wants_features = c["neural_selector"]  # the decoder then exposes hidden states (engine/selector.py)
+        if c["neural_selector"] and c["without_replacement"]:
+            raise StrategyError("the neural selector was trained on i.i.d. branches: turn off without_replacement")
+        if c["l1"] + c["l2"] == 0 and not c["neural_selector"]:
             raise StrategyError("L1 + L2 must be at least 1: a (K, 0, 0) tree drafts nothing (use the 'ar' strategy)")
         self.child_mode = "without_replacement" if c["without_replacement"] else "iid"
-        self.chain = c["k"] == 1  # one path: chain rules (Naive, Block) can check it
-        greedy_trunk = c["greedy_trunk"] and c["l1"] > 0
+        self.chain = c["k"] == 1 and not c["neural_selector"]  # one path: chain rules (Naive, Block) can check it
+        greedy_trunk = c["greedy_trunk"] and (c["l1"] > 0 or c["neural_selector"])
         self.child_modes_used = ("topk", self.child_mode) if greedy_trunk else (self.child_mode,)
 
     def reset(self) -> None:
         self.generator = None  # created on the draft's device at the first draw
+        self.chosen: dict | None = None  # the selector's latest choice
+        if not hasattr(self, "selector"):
+            self.selector = None  # a trained engine.selector.Selector; None: the shipped one of the run's rule
+
+    def current_params(self) -> dict:
+        params = dict(self.config)
+        if self.chosen is not None:
+            params.update(k=self.chosen["k"], l1=self.chosen["l1"], l2=self.chosen["l2"])
+        return params
+
+    def choose(self, drafter, root_dist: torch.Tensor) -> tuple[int, int, int]:
+        """The selector's (K, L1, L2) from the root's features (the decoder's `taps`), recorded for the iteration."""
+        taps = getattr(drafter, "taps", None)
+        if taps is None:
+            raise StrategyError("the neural selector needs the decoder's root features (engine.decoder.Decoder)")
+        if self.selector is None:
+            self.selector = neural.shipped(taps.rule)
+        seconds = neural.action_seconds(taps.costs, drafter.row_counts[0]) if taps.costs is not None else None
+        self.chosen = self.selector.choose(taps.features(drafter, root_dist), seconds)
+        return self.chosen["k"], self.chosen["l1"], self.chosen["l2"]
 
     def _draw(self, drafter, dist: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
         """The distribution actually drawn from, and `count` tokens from it: i.i.d., or without replacement (in draw
@@ -78,14 +107,23 @@ class Delayed(Strategy):
 
     def build(self, drafter, tree) -> None:
         c = self.config
+        k, l1, l2 = c["k"], c["l1"], c["l2"]
+        root = {}  # with the selector: the root's q, already drawn by the root forward its features come from
+        if c["neural_selector"]:
+            root[0] = drafter.expand([0])[0]
+            k, l1, l2 = self.choose(drafter, root[0])
+            tree.extra["selector"] = dict(self.chosen)
+
+        def expand(nodes: list[int]) -> list[torch.Tensor]:
+            return [root.pop(0)] if nodes == [0] and root else drafter.expand(nodes)
 
         def add(parent: int, dist: torch.Tensor, token: int) -> int:
             p = float(dist[token])
             return tree.add_draw(parent, token, p, int((dist > p).sum()))
 
         node = 0
-        for _ in range(c["l1"]):  # trunk: one draw per node
-            dist = drafter.expand([node])[0]
+        for _ in range(l1):  # trunk: one draw per node
+            dist = expand([node])[0]
             if c["greedy_trunk"]:
                 tree.child_dist[node], tree.child_mode[node] = dist, "topk"
                 token = int(dist.argmax())
@@ -94,10 +132,10 @@ class Delayed(Strategy):
                 tree.child_dist[node], tree.child_mode[node] = dist, self.child_mode
             node = add(node, dist, token)
 
-        ends = {node: c["k"]}  # path end -> number of paths through it
-        for _ in range(c["l2"]):
+        ends = {node: k}  # path end -> number of paths through it
+        for _ in range(l2):
             nodes = list(ends)
-            dists = drafter.expand(nodes)  # every distinct path end in one draft forward
+            dists = expand(nodes)  # every distinct path end in one draft forward
             next_ends: dict[int, int] = {}
             for node, dist in zip(nodes, dists):
                 dist, draws = self._draw(drafter, dist, ends[node])
