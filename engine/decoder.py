@@ -22,8 +22,10 @@ from engine.autosize import AutoSizer
 from engine.drafter import Drafter, softmax_processor, synchronize
 from engine.metrics import run_metrics
 from engine.strategies.base import Strategy
-from engine.trace import (ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, IterationRecord, NodeRecord, RunResult)
+from engine.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationRecord, NodeRecord,
+                          RunResult)
 from engine.sampling import Sampling
+from engine.selector import FeatureTaps
 from engine.tree import DraftTree
 from engine.verify import VerificationError, Verifier, default_verifier
 
@@ -168,43 +170,54 @@ class Decoder:
         drafter = Drafter(pair.draft, process, generator) if strategy.uses_draft else None
         run.target_cache, run.drafter = target_cache, drafter  # exposed for cache-correctness tests
 
-        synchronize(device)
-        start = time.perf_counter()
-        # Prefill: the prompt fills the target cache; its last row gives the first token, the first root.
-        prefill_logits = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=target_cache,
-                                use_cache=True, logits_to_keep=1).logits[0]
-        verdict = self.verifier.verify(DraftTree(root_token=-1), prefill_logits, sampling, generator)
-        generated: list[int] = run.generated
-        sources: list[dict[str, Any]] = []
-        first, reason = run.stop.cut(tok, generated, [verdict.bonus])
-        generated += first
-        sources.append({"iteration": -1, "kind": "prefill", "margin": _margins(prefill_logits)[0],
-                        "text": tok.decode(first)})
-        synchronize(device)
-        ttft = time.perf_counter() - start
+        # The neural selector's features: hooks on both models' final norms, only when the strategy asks for them.
+        taps = FeatureTaps(pair, sampling, self.verifier.name) \
+            if drafter is not None and getattr(strategy, "wants_features", False) else None
+        if drafter is not None:
+            drafter.taps = taps
+        try:
+            synchronize(device)
+            start = time.perf_counter()
+            # Prefill: the prompt fills the target cache; its last row gives the first token, the first root.
+            prefill_logits = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=target_cache,
+                                    use_cache=True, logits_to_keep=1).logits[0]
+            verdict = self.verifier.verify(DraftTree(root_token=-1), prefill_logits, sampling, generator)
+            if taps is not None:
+                taps.after_target(prefill_logits, -1)
+            generated: list[int] = run.generated
+            sources: list[dict[str, Any]] = []
+            first, reason = run.stop.cut(tok, generated, [verdict.bonus])
+            generated += first
+            sources.append({"iteration": -1, "kind": "prefill", "margin": _margins(prefill_logits)[0],
+                            "text": tok.decode(first)})
+            synchronize(device)
+            ttft = time.perf_counter() - start
 
-        # The "auto" preset: the strategy's size knob follows the measured costs and this run's acceptance.
-        sizer = AutoSizer(strategy, pair.costs) if strategy.auto and pair.costs is not None and drafter else None
-        records: list[IterationRecord] = []
-        run.progress, run.started = {"prompt_ids": prompt_ids, "records": records, "sources": sources,
-                                     "ttft": ttft}, start
-        while not reason:
-            record, new, reason = self._iteration(len(records), prompt_ids + generated, generated, run.stop,
-                                                  target_cache, drafter, generator)
-            if sizer is not None:
-                sizer.observe(record)
-                record.extra["cost"]["auto"] = sizer.last
-            generated += new
-            margins = record.extra.pop("margins")
-            for i in range(len(new)):
-                kind = "accepted" if i < record.accepted else "bonus"
-                sources.append({"iteration": record.index, "kind": kind, "margin": margins[i],
-                                "text": tok.decode([new[i]])})
-            records.append(record)
-            yield record
-        synchronize(device)
-        total = time.perf_counter() - start - run.paused_s
-        run.result = self._result(run, prompt_ids, records, sources, ttft, reason, total)
+            # The "auto" preset: the strategy's size knob follows the measured costs and this run's acceptance.
+            sizer = AutoSizer(strategy, pair.costs) if strategy.auto and pair.costs is not None and drafter else None
+            records: list[IterationRecord] = []
+            run.progress, run.started = {"prompt_ids": prompt_ids, "records": records, "sources": sources,
+                                         "ttft": ttft}, start
+            while not reason:
+                record, new, reason = self._iteration(len(records), prompt_ids + generated, generated, run.stop,
+                                                      target_cache, drafter, generator)
+                if sizer is not None:
+                    sizer.observe(record)
+                    record.extra["cost"]["auto"] = sizer.last
+                generated += new
+                margins = record.extra.pop("margins")
+                for i in range(len(new)):
+                    kind = "accepted" if i < record.accepted else "bonus"
+                    sources.append({"iteration": record.index, "kind": kind, "margin": margins[i],
+                                    "text": tok.decode([new[i]])})
+                records.append(record)
+                yield record
+            synchronize(device)
+            total = time.perf_counter() - start - run.paused_s
+            run.result = self._result(run, prompt_ids, records, sources, ttft, reason, total)
+        finally:
+            if taps is not None:
+                taps.remove()
 
     def _result(self, run: DecodeRun, prompt_ids, records, sources, ttft, reason, total) -> RunResult:
         """The run as a RunResult: at the end of decoding, and for DecodeRun.snapshot() while it goes on."""
@@ -226,10 +239,10 @@ class Decoder:
         t0 = time.perf_counter()
         root_pos = len(committed) - 1
         tree = DraftTree(root_token=committed[-1])
-        params = strategy.current_params()
         if drafter is not None:
             drafter.begin(tree, committed)
             strategy.build(drafter, tree)
+        params = strategy.current_params()  # after build: a selector may have chosen this tree's shape in it
         synchronize(device)
         t1 = time.perf_counter()
 
@@ -242,6 +255,8 @@ class Decoder:
                         position_ids=(root_pos + torch.tensor([tree.depths], device=device)),
                         attention_mask=mask, past_key_values=target_cache, use_cache=True).logits[0]
         verdict = self.verifier.verify(tree, logits, self.sampling, generator)
+        if drafter is not None and drafter.taps is not None:
+            drafter.taps.after_target(logits, verdict.path[-1])  # the row that drew the next root
         synchronize(device)
         t2 = time.perf_counter()
 
@@ -282,6 +297,11 @@ class Decoder:
         # p as the rule saw it: the processed target distribution when sampling, the softmax when greedy.
         probs = torch.softmax(rows, dim=-1) if self.sampling.greedy else self.sampling.process(rows)
         row_of = {p: i for i, p in enumerate(parents)}
+        # what the node inspector shows: the top of p and q after every node the target or the draft expanded
+        next_p = _top_k(tok, probs)
+        drafted = [p for p in parents if p in tree.child_dist]  # nodes whose children the draft drew
+        q_rows = torch.stack([tree.child_dist[p] for p in drafted]).float() if drafted else probs[:0]
+        next_q = dict(zip(drafted, _top_k(tok, q_rows)))
 
         def target_prob(parent: int, token: int) -> float:
             return float(probs[row_of[parent], token])
@@ -301,7 +321,8 @@ class Decoder:
                 id=i, parent=parent, token=token, text=tok.decode([token]), depth=tree.depths[i],
                 q=tree.q[i] if i else None, rank=tree.ranks[i] if i else None, path_q=tree.path_q[i],
                 p=target_prob(parent, token) if i else None, status=status,
-                accept_prob=verdict.accept_prob.get(i), draws=tree.multiplicity(i) if i else 1))
+                accept_prob=verdict.accept_prob.get(i), draws=tree.multiplicity(i) if i else 1,
+                next_p=next_p[row_of[i]] if i in row_of else [], next_q=next_q.get(i, [])))
         last = path[-1]
         bonus_q = float(tree.child_dist[last][verdict.bonus]) if last in tree.child_dist else None
         nodes.append(NodeRecord(
@@ -315,6 +336,16 @@ class Decoder:
             bonus_text=tok.decode([verdict.bonus]), new_tokens=list(new), drafted=tree.num_drafted,
             accepted=accepted, draft_forwards=0, params=params, times={},
             extra={**tree.extra, "margins": _margins(logits[path])[: len(new)]})
+
+
+def _top_k(tokenizer, probs: torch.Tensor) -> list[list[list]]:
+    """Per row of `probs` [rows, V]: its TOP_K most probable tokens as [token, probability (4 significant digits:
+    display data, kept small in traces), text]. One topk over all rows and one batched decode."""
+    top = torch.topk(probs, min(TOP_K, probs.shape[-1]), dim=-1)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    texts = iter(tokenizer.batch_decode([[t] for row in ids for t in row]))
+    return [[[t, float(f"{v:.4g}"), next(texts)] for t, v in zip(row_ids, row_values)]
+            for row_ids, row_values in zip(ids, values)]
 
 
 def _margins(logits: torch.Tensor) -> list[float]:

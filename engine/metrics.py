@@ -52,12 +52,17 @@ def compare_outputs(run: RunResult, reference: RunResult) -> dict[str, Any]:
 
 def calibration(iterations: list[IterationRecord], bins: int = 10) -> list[dict[str, Any]]:
     """DySpec's Hypothesis 1 (a draft token's chance of acceptance is about its draft probability q), measured: every
-    node the verification looked at (accepted or rejected; unreached nodes were never tested) binned by q into equal
-    bins on [0, 1], with the fraction accepted. Bins with no node are left out."""
+    node the verification tested binned by q into equal bins on [0, 1], with the fraction accepted. Bins with no node
+    are left out. Tested: accepted or rejected (unreached nodes were never looked at); under a sampling rule, which
+    records the acceptance probability of every node it tests, a rejected sibling without one was never tried (an
+    earlier sibling was accepted first)."""
     counts = [[0, 0, 0.0] for _ in range(bins)]  # tested, accepted, sum of q
     for it in iterations:
+        sampled = any(node.accept_prob is not None for node in it.nodes)
         for node in it.nodes:
-            if node.status in (ACCEPTED, REJECTED) and node.q is not None:
+            tested = node.status == ACCEPTED or (node.status == REJECTED and
+                                                 (not sampled or node.accept_prob is not None))
+            if tested and node.q is not None:
                 cell = counts[min(int(node.q * bins), bins - 1)]
                 cell[0] += 1
                 cell[1] += node.status == ACCEPTED

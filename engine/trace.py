@@ -1,15 +1,20 @@
 """Per-iteration records and whole-run traces: plain JSON-able data, the only thing the UI and the benchmarks read.
 
-An exported trace replays with no models loaded. SCHEMA_VERSION changes whenever a field changes meaning.
+An exported trace replays with no models loaded. SCHEMA_VERSION changes whenever a field is added or changes meaning,
+so an older reader refuses a newer trace with a plain message instead of a confusing field error; this reader reads
+every version in READABLE (fields a version lacks take their defaults).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: NodeRecord.next_p / next_q (top-k next-token distributions per expanded node)
+READABLE = (1, 2)
+TOP_K = 10  # entries in NodeRecord.next_p / next_q
 
 # Node outcomes. "rejected": a child of an accepted node that the target did not pick; "unreached": below a
 # rejected node, so verification never looked at it; "bonus": the token the target emitted after the accepted path
@@ -32,6 +37,16 @@ class NodeRecord:
     accept_prob: float | None = None  # probability the verification rule accepted it with (sampling rules)
     resampled: bool = False            # emitted token drawn from a residual distribution
     draws: int = 1                     # i.i.d. draws at the parent this node stands for (merged duplicates)
+    # The next-token distributions after this node, top TOP_K entries as [token, probability, text]: the target's p
+    # (as the rule saw it) wherever the target scored this node's children or bonus, the draft's q where the draft
+    # expanded it. Empty elsewhere (and in traces older than schema 2).
+    next_p: list[list] = field(default_factory=list)
+    next_q: list[list] = field(default_factory=list)
+
+
+# NodeRecord fields with defaults: a compact trace leaves them out where they hold the default
+NODE_DEFAULTS = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                 for f in dataclass_fields(NodeRecord) if f.default is not MISSING or f.default_factory is not MISSING}
 
 
 @dataclass
@@ -70,11 +85,22 @@ class RunResult:
     comparison: dict[str, Any] | None = None  # vs an AR run of the same prompt: exact_match, first_divergence, ...
     token_sources: list[dict[str, Any]] = field(default_factory=list)  # per output token: iteration, kind
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+    def to_dict(self, compact: bool = False) -> dict[str, Any]:
+        """Plain data; `compact` leaves out node fields at their defaults (they load back as defaults)."""
+        data = {"schema_version": SCHEMA_VERSION, **asdict(self)}
+        if compact:
+            for it in data["iterations"]:
+                it["nodes"] = [{k: v for k, v in node.items() if k not in NODE_DEFAULTS or NODE_DEFAULTS[k] != v}
+                               for node in it["nodes"]]
+        return data
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=1))
+    def to_json(self, compact: bool = False) -> str:
+        if compact:
+            return json.dumps(self.to_dict(compact=True), ensure_ascii=False, separators=(",", ":"))
+        return json.dumps(self.to_dict(), ensure_ascii=False, indent=1)
+
+    def save(self, path: str | Path, compact: bool = False) -> None:
+        Path(path).write_text(self.to_json(compact))
 
 
 class TraceError(ValueError):
@@ -83,8 +109,9 @@ class TraceError(ValueError):
 
 def run_from_dict(data: dict[str, Any]) -> RunResult:
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise TraceError(f"trace schema version {version!r} is not supported (this treeviz reads {SCHEMA_VERSION})")
+    if version not in READABLE:
+        raise TraceError(f"trace schema version {version!r} is not supported (this treeviz reads "
+                         f"{', '.join(map(str, READABLE))})")
     try:
         fields = {k: v for k, v in data.items() if k != "schema_version"}
         iterations = []

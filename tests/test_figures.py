@@ -219,16 +219,6 @@ def test_text_of_a_trace_without_token_texts_is_shown_whole():
     assert "old &lt;trace&gt;" in F.tokens_html(run)
 
 
-def test_gallery_traces_small_and_loadable():
-    paths = sorted((ROOT / "assets" / "traces").glob("*.json"))
-    assert paths, "no gallery traces: run python -m treeviz.make_gallery"
-    for path in paths:
-        assert path.stat().st_size < 300 * 1024, path
-        run = load_run(path)
-        assert run.iterations and run.output_ids
-        F.tree_figure(run.iterations[0], frame=F.run_frame(run.iterations))
-
-
 def test_figures_do_not_import_torch():
     code = "import sys, treeviz.figures, treeviz.layout; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
@@ -241,3 +231,12 @@ def test_hover_says_how_many_draws_a_merged_node_stands_for():
     hovers = [h for t in node_traces(fig) for h in t.hovertext]
     assert sum("drawn 3× at its parent" in h for h in hovers) == 1
     assert not any("drawn 1×" in h for h in hovers)
+
+
+def test_tree_title_says_what_the_neural_selector_chose():
+    it = make_iteration()
+    assert "selector" not in F.tree_figure(it).layout.title.text
+    it.extra["selector"] = {"k": 3, "l1": 0, "l2": 2, "predicted_tokens_per_s": 11.04}
+    assert "selector chose (K, L1, L2) = (3, 0, 2), predicted 11.0 tok/s" in F.tree_figure(it).layout.title.text
+    it.extra["selector"]["predicted_tokens_per_s"] = None  # a pair without a cost table
+    assert F.tree_figure(it).layout.title.text.endswith("(3, 0, 2)")

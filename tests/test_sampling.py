@@ -73,6 +73,9 @@ class ModTokenizer:
     def decode(self, ids, skip_special_tokens=False):
         return "".join(chr(97 + int(i)) for i in ids)
 
+    def batch_decode(self, sequences, skip_special_tokens=False):
+        return [self.decode(ids) for ids in sequences]
+
 
 def tiny_v8_pair(draft_name: str = "tiny-v8-draft") -> "NoEosPair":
     """An 8-token target and a related draft (close to the target, not equal); shared with test_draft_options."""

@@ -14,9 +14,9 @@ from test_ui_support import app_url, backend  # noqa: E402
 from treeviz.controls import verifier_choices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-GALLERY = sorted((ROOT / "assets" / "traces").glob("*.json"))
-# /run and /upload outputs, states excluded by the client
-SCRUBBER, STATUS, DOWNLOAD, TREE, TEXT, METRICS, CHARTS, THROUGHPUT, BADGE = range(9)
+# /run and /upload outputs (views.RUN_OUTPUTS), states excluded by the client; /compare adds three more
+(SCRUBBER, STATUS, DOWNLOAD, TREE, TEXT, METRICS, CHARTS, THROUGHPUT, BADGE, NODE, INSPECTOR, INSPECTOR_PLOT,
+ CALIBRATION, COSTS, COMPARE_TABLE, COMPARE_PLOT, COMPARE_CALIBRATION) = range(17)
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,19 @@ def tree_nodes(value) -> int:
     return sum(len(t.get("x", [])) for t in plot_data(value)["data"] if "markers" in t.get("mode", ""))
 
 
+def latest(outputs: list, index: int):
+    """What the page shows in output `index` after a streamed call: its last value that was not "unchanged"."""
+    return next(o[index] for o in reversed(outputs) if o[index] != {"__type__": "update"})
+
+
 def test_run_prompt_gives_tree_and_metrics(client):
-    out = client.predict("def fib(n):\n", False, "tiny-random", "dynatree", "cpu", 24, api_name="/run")
+    job = client.submit("def fib(n):\n", False, "tiny-random", "dynatree", "cpu", 24, api_name="/run")
+    out = job.result(timeout=120)  # the last value holds every view (the scrubber stays where the user left it)
     assert "tokens/s" in out[STATUS] and "Traceback" not in out[STATUS]
     assert tree_nodes(out[TREE]) >= 2
     assert "tokens/s" in out[METRICS] and "L̄" in out[METRICS]
     assert "AR" in out[BADGE]
-    assert out[SCRUBBER]["maximum"] >= 1
+    assert latest(job.outputs(), SCRUBBER)["maximum"] >= 1
     names = {t.get("name") for t in plot_data(out[CHARTS])["data"]}
     trace = json.loads(Path(out[DOWNLOAD]).read_text())
     assert f"L̄ = {trace['metrics']['mean_tokens_per_iter']:.2f} (run)" in names  # the engine's L̄, not a re-count
@@ -51,6 +57,41 @@ def test_run_prompt_gives_tree_and_metrics(client):
     trace = json.loads(Path(out[DOWNLOAD]).read_text())  # downloadable trace replays with engine.trace
     assert trace["schema_version"] and trace["iterations"] and trace["comparison"]["exact_match"] is True
     assert backend().pairs.loaded_name == "tiny-random"
+    # the teaching panels come with every finished run
+    assert "why:" in out[INSPECTOR] and plot_data(out[INSPECTOR_PLOT])["data"][0]["type"] == "bar"
+    calibration = [t for t in plot_data(out[CALIBRATION])["data"] if t.get("name") == "dynatree"]
+    assert calibration and all(0 <= y <= 1 for y in calibration[0]["y"])
+    costs = {t.get("name") for t in plot_data(out[COSTS])["data"]}
+    assert {"verify, measured", "iteration, measured", "break-even: AR for the same tokens"} <= costs
+
+
+def test_the_result_shows_before_ar_and_ar_is_cached(client):
+    prompt = "def cached_ar(n):\n"
+    job = client.submit(prompt, False, "tiny-random", "linear", "cpu", 20, api_name="/run")
+    final = job.result(timeout=120)
+    outputs = job.outputs()
+    early = [o for o in outputs if "measuring AR" in str(o[BADGE])]
+    assert early, "the run was not shown before AR was measured"
+    assert "tokens/s" in early[0][STATUS] and tree_nodes(early[0][TREE]) >= 2 and "why:" in early[0][INSPECTOR]
+    assert "matches AR" in final[BADGE] and "×" in final[METRICS]  # then the baseline filled in
+    assert len(plot_data(final[THROUGHPUT])["data"][0]["x"]) == 2
+    # same pair, prompt, max new tokens and dtype: AR comes from the cache, with no wait for it
+    job = client.submit(prompt, False, "tiny-random", "fixed", "cpu", 20, api_name="/run")
+    again = job.result(timeout=120)
+    assert not any("measuring AR" in str(o[BADGE]) for o in job.outputs())
+    assert "matches AR" in again[BADGE]
+
+
+def test_node_inspector_through_the_api(client):
+    out = client.predict("def inspect_me(n):\n", False, "tiny-random", "dynatree", "cpu", 16, api_name="/run")
+    trace = json.loads(Path(out[DOWNLOAD]).read_text())
+    last = trace["iterations"][-1]
+    rejected = [n for n in last["nodes"] if n["status"] == "rejected"]
+    target = rejected[0] if rejected else last["nodes"][1]
+    shown, summary, plot = client.predict(len(trace["iterations"]) - 1, target["id"], api_name="/inspect")
+    assert shown == target["id"] and target["status"] in summary and "why:" in summary
+    names = [t["type"] for t in plot_data(plot)["data"]]
+    assert names == ["bar", "bar"]  # the parent's draft q and target p side by side
 
 
 def test_empty_prompt_is_a_clear_message(client):
@@ -100,13 +141,15 @@ def test_unloadable_pair_is_reported(client):
     assert "tokens/s" in out[STATUS]
 
 
-def test_gallery_trace_upload_replays_and_scrubs(client):
-    assert GALLERY
-    out = client.predict(handle_file(str(GALLERY[0])), "per iteration", api_name="/upload")
+def test_downloaded_trace_upload_replays_and_scrubs(client):
+    download = client.predict("def replay_me(n):\n", False, "tiny-random", "dynatree", "cpu", 24,
+                              api_name="/run")[DOWNLOAD]
+    out = client.predict(handle_file(download), "per iteration", api_name="/upload")
     assert "replaying" in out[STATUS] and "no models" in out[STATUS]
     assert tree_nodes(out[TREE]) >= 2
+    assert "why:" in out[INSPECTOR] and plot_data(out[CALIBRATION])["data"][1:]  # panels from the trace alone
     last = out[SCRUBBER]["maximum"]
-    first = client.predict(0, "per iteration", api_name="/scrub")
+    first = client.predict(0, "per iteration", None, api_name="/scrub")
     assert "iteration 0:" in plot_data(first[0])["layout"]["title"]["text"]
     assert plot_data(first[0])["layout"]["xaxis"]["range"] == plot_data(out[TREE])["layout"]["xaxis"]["range"]
     assert f"iteration {last}" in plot_data(out[TREE])["layout"]["title"]["text"]
@@ -123,13 +166,21 @@ def test_bad_trace_upload_is_a_clear_message(client, tmp_path):
     assert "Cannot replay" in out[STATUS]
 
 
-def test_compare_table(client):
-    status, table, plot = client.predict("def add(a, b):\n", False, "tiny-random", "linear", "cpu", 16,
-                                         methods=["linear", "fixed"], api_name="/compare")
+def test_compare_table_and_the_views_follow_it(client):
+    client.predict("def other(n):\n", False, "tiny-random", "dynatree", "cpu", 12, api_name="/run")
+    job = client.submit("def add(a, b):\n", False, "tiny-random", "linear", "cpu", 16, methods=["linear", "fixed"],
+                        api_name="/compare")
+    out = job.result(timeout=180)
+    table, plot = out[COMPARE_TABLE], out[COMPARE_PLOT]
     rows = {row[0]: row for row in table["data"]}
     assert set(rows) == {"ar", "linear", "fixed"}
     assert table["headers"][:3] == ["strategy", "tokens/s", "speedup"]
     assert tree_nodes(plot) >= 2
+    # the metrics row follows each compared method (no longer the previous run's figures)
+    metrics = [o[METRICS] for o in job.outputs() if isinstance(o[METRICS], str) and "tokens/s" in o[METRICS]]
+    assert any(">linear<" in m for m in metrics) and ">fixed<" in metrics[-1] and "×" in metrics[-1]
+    lines = {t.get("name") for t in plot_data(out[COMPARE_CALIBRATION])["data"]}
+    assert {"linear", "fixed"} <= lines
 
 
 def test_stop_cancels_a_run_in_flight_and_the_pair_stays_usable(client):
@@ -232,3 +283,20 @@ def test_any_rule_by_name_through_the_api(client):
     out = client.predict("hello", False, "tiny-random", "dynatree", "cpu", 8, temperature=1.0, verifier="spectr",
                          api_name="/run")
     assert "cannot check trees" in out[STATUS] and "err" in out[STATUS] and "Traceback" not in out[STATUS]
+
+
+def test_ar_cache_keys_on_what_changes_ar_and_stays_bounded():
+    from treeviz.backend import ARCache, RunSpec
+    greedy = RunSpec(pair="tiny-random", prompt="p", strategy="linear", max_new_tokens=8)
+    same = RunSpec(pair="tiny-random", prompt="p", strategy="dynatree", max_new_tokens=8, top_p=0.5, seed=7)
+    assert ARCache.key("tiny-random", "float32", greedy) == ARCache.key("tiny-random", "float32", same)  # greedy AR
+    for other in (RunSpec(pair="x", prompt="q", strategy="linear", max_new_tokens=8),
+                  RunSpec(pair="x", prompt="p", strategy="linear", max_new_tokens=9)):
+        assert ARCache.key("tiny-random", "float32", other) != ARCache.key("tiny-random", "float32", greedy)
+    assert ARCache.key("tiny-random", "bfloat16", greedy) != ARCache.key("tiny-random", "float32", greedy)
+    hot = RunSpec(pair="x", prompt="p", strategy="linear", max_new_tokens=8, temperature=0.8)
+    assert ARCache.key("t", "f", hot) != ARCache.key("t", "f", RunSpec(**{**hot.__dict__, "seed": 1}))
+    cache = ARCache(size=2)
+    for i in range(3):
+        cache.put(("k", i), f"result {i}")
+    assert len(cache) == 2 and cache.get(("k", 0)) is None and cache.get(("k", 2)) == "result 2"

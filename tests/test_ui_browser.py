@@ -1,6 +1,8 @@
-"""A real headless Chromium (Playwright) against the app on 127.0.0.1 with the tiny random pair."""
+"""A real headless Chromium (Playwright) against the app on 127.0.0.1 with the tiny random pair; the gallery trace
+it opens with is a committed real-model trace."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -23,12 +25,90 @@ def tree_title(page) -> str:
     return page.locator("#tv-tree .gtitle").first.text_content() or ""
 
 
+def launch(p):
+    return p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+
+
+def plot_traces(page, elem_id: str) -> list[dict]:
+    """The data of the Plotly figure inside component `elem_id`, as the page holds it (name, type, points)."""
+    return page.evaluate(f"""() => {{
+        const gd = document.querySelector('#{elem_id} .js-plotly-plot');
+        return gd ? gd.data.map(t => ({{name: t.name || '', type: t.type || 'scatter',
+                                        n: (t.x || []).length, status: t.customdata ? t.customdata[0][1] : null}}))
+                  : [];
+    }}""")
+
+
+def click_node(page, status: str) -> None:
+    """A real mouse click on the first node of the given outcome in the tree figure."""
+    index = next(i for i, t in enumerate(plot_traces(page, "tv-tree")) if t["status"] == status)
+    scatter = sum(1 for t in plot_traces(page, "tv-tree")[:index] if t["type"] == "scatter")
+    page.locator("#tv-tree .scatterlayer .trace").nth(scatter).locator(".points path").first.click(force=True)
+
+
+def test_gallery_inspector_and_panels_in_a_real_browser(tmp_path):
+    """The first view: a real-model gallery trace with its text; a node click opens the inspector with both
+    distributions; the calibration and cost panels draw from the replayed trace (no model involved)."""
+    from treeviz.replay import gallery_traces
+    default = json.loads(gallery_traces()[0].read_text())
+    assert not str(default["config"]["target"]).startswith("tiny"), "the gallery opens on a real-model trace"
+    url = app_url()
+    shots = SHOTS or tmp_path
+    shots.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            errors = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.goto(url)
+            page.wait_for_selector(POINTS, timeout=60_000)
+            page.wait_for_function("document.querySelector('#tv-run-status').innerText.includes('replaying')",
+                                   timeout=30_000)
+            # real text: the trace's own output, word for word
+            words = " ".join(default["output_text"].split()[:6])
+            shown = " ".join(page.locator("#tv-text").inner_text().replace("⏎", " ").split())
+            assert words and words in shown, (words, shown[:300])
+            assert "speedup" in page.locator("#tv-throughput").inner_text()
+            page.screenshot(path=str(shots / "10_gallery_first_view.png"), full_page=False)
+
+            click_node(page, "rejected")
+            page.wait_for_function("document.querySelector('#tv-inspector').innerText.includes('rejected')",
+                                   timeout=30_000)
+            page.wait_for_function("""() => {
+                const gd = document.querySelector('#tv-inspector-plot .js-plotly-plot');
+                return gd && gd.data && gd.data.filter(t => t.type === 'bar').length === 2; }""", timeout=30_000)
+            node = page.locator("#tv-node input").input_value()
+            assert node and f"{node} ·" in page.locator("#tv-inspector").inner_text()
+            assert "the target's choice was" in page.locator("#tv-inspector").inner_text()
+            page.locator("#tv-inspector-plot").scroll_into_view_if_needed()
+            page.screenshot(path=str(shots / "11_node_inspector.png"), full_page=False)
+
+            page.get_by_role("tab", name="Calibration").click()
+            page.wait_for_selector("#tv-calibration .js-plotly-plot .scatterlayer .trace", timeout=30_000)
+            lines = plot_traces(page, "tv-calibration")
+            assert lines[0]["name"].startswith("y = x") and any(t["n"] >= 2 for t in lines[1:]), lines
+            page.locator("#tv-calibration").scroll_into_view_if_needed()
+            page.screenshot(path=str(shots / "12_calibration.png"), full_page=False)
+
+            page.get_by_role("tab", name="Costs").click()
+            page.wait_for_selector("#tv-costs .js-plotly-plot .scatterlayer .trace", timeout=30_000)
+            names = {t["name"] for t in plot_traces(page, "tv-costs") if t["n"]}
+            assert {"verify, measured", "verify, predicted (cost table)", "iteration, measured",
+                    "break-even: AR for the same tokens"} <= names, names
+            page.locator("#tv-costs").scroll_into_view_if_needed()
+            page.screenshot(path=str(shots / "13_costs.png"), full_page=False)
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
 def test_run_and_scrub_in_a_real_browser(tmp_path):
     url = app_url()
     shots = SHOTS or tmp_path
     shots.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = launch(p)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 1000})
             errors = []
@@ -44,7 +124,9 @@ def test_run_and_scrub_in_a_real_browser(tmp_path):
                 "document.querySelector('#tv-run-status').innerText.includes('tokens/s')", timeout=90_000)
             page.wait_for_selector(POINTS, timeout=30_000)
             assert page.locator(POINTS).count() >= 2
-            assert "matches AR" in page.locator("#tv-badge").inner_text()
+            page.wait_for_function("document.querySelector('#tv-badge').innerText.includes('matches AR')",
+                                   timeout=60_000)
+            assert "×" in page.locator("#tv-metrics").inner_text()  # the speedup, once AR is in
             page.screenshot(path=str(shots / "02_run.png"), full_page=True)
             last_title = tree_title(page)
 
@@ -56,7 +138,6 @@ def test_run_and_scrub_in_a_real_browser(tmp_path):
                 "(document.querySelector('#tv-tree .gtitle') || {}).textContent?.startsWith('iteration 0:')",
                 timeout=30_000)
             assert tree_title(page) != last_title
-            assert "iteration 0" in page.locator("#tv-metrics").inner_text()
             page.screenshot(path=str(shots / "03_scrubbed.png"), full_page=False)
             assert (shots / "03_scrubbed.png").stat().st_size > 10_000
 
@@ -73,8 +154,9 @@ def test_run_and_scrub_in_a_real_browser(tmp_path):
             box.fill("512")
             box.press("Enter")
             box.blur()
-            page.wait_for_function(
+            page.wait_for_function(  # the run streams: the status counts iterations while the tree grows
                 "document.querySelector('#tv-run-status').innerText.includes('decoding with')", timeout=60_000)
+            page.screenshot(path=str(shots / "04b_streaming.png"), full_page=False)
             page.click("#tv-stop")
             page.wait_for_function(
                 "document.querySelector('#tv-run-status').innerText.includes('stopped')", timeout=30_000)
@@ -89,6 +171,22 @@ def test_run_and_scrub_in_a_real_browser(tmp_path):
             page.wait_for_function(
                 "document.querySelector('#tv-run-status').innerText.includes('D0 (7) must be below D_max (7)')",
                 timeout=60_000)
+            d0.fill("4")
+            d0.blur()
+
+            # Compare: the metrics row follows each compared method, ending on the last one ticked
+            box.fill("16")
+            box.blur()
+            page.get_by_role("tab", name="Compare").click()
+            page.click("#tv-compare")
+            page.wait_for_function(
+                "document.querySelector('#tv-run-status').innerText.includes('compared')", timeout=180_000)
+            ticked = [label.inner_text().strip() for label in page.locator("#tv-compare-methods label").all()
+                      if label.locator("input").is_checked()]
+            metrics = page.locator("#tv-metrics").inner_text()
+            assert metrics.split("\n")[1].strip() == ticked[-1], (metrics, ticked)
+            assert "×" in metrics
+            page.screenshot(path=str(shots / "06_compare.png"), full_page=True)
             assert not errors, errors
         finally:
             browser.close()

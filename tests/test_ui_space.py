@@ -42,12 +42,12 @@ def test_decorated_run_handler_arguments_and_yields_pickle():
 def test_decorated_compare_handler_arguments_and_yields_pickle():
     backend().pairs.load("tiny-random")
     args = (RunSpec(pair="tiny-random", prompt="hello", strategy="linear", max_new_tokens=12), "pickle-compare",
-            ["linear", "fixed"])
+            ["linear", "fixed"], "per iteration")
     pickle.loads(pickle.dumps(args))
     outputs = list(handlers.compare_views(*args))
     for out in outputs:
         pickle.loads(pickle.dumps(out))
-    assert "compared 3 methods" in outputs[-1][0]
+    assert "compared 3 methods" in outputs[-1][3] and len(outputs[-1]) == len(handlers.COMPARE_OUTPUTS)
 
 
 def test_zero_gpu_errors_read_plainly():

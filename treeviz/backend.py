@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -213,14 +214,47 @@ class Step:
 
 @dataclass
 class Done:
-    result: RunResult | None           # None when stopped or superseded
+    """A finished run (None when stopped or superseded). A Run streams it twice: at once with `ar` None, then again
+    with AR beside it once AR on the same prompt is measured (at once if it is cached)."""
+    result: RunResult | None
     ar: RunResult | None = None
+
+
+class ARCache:
+    """AR results by (pair, prompt, max new tokens, dtype, sampling), the oldest dropped past `size` entries. At
+    temperature 0 AR is greedy, so top-p, top-k and the seed do not change it and are left out of the key."""
+
+    def __init__(self, size: int = 64):
+        self.size, self.entries = size, OrderedDict()
+
+    @staticmethod
+    def key(pair_name: str | None, dtype, spec: RunSpec) -> tuple:
+        sampling = ((float(spec.temperature), float(spec.top_p), int(spec.top_k), int(spec.seed))
+                    if float(spec.temperature) > 0 else (0.0,))
+        return (pair_name, spec.prompt_key(), int(spec.max_new_tokens), str(dtype), *sampling)
+
+    def get(self, key: tuple) -> RunResult | None:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+        return self.entries.get(key)
+
+    def put(self, key: tuple, result: RunResult) -> None:
+        self.entries[key] = result
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 class Backend:
     def __init__(self):
         self.pairs = PairManager()
-        self.ar_cache: dict[tuple, RunResult] = {}
+        self.ar_cache = ARCache()
         self._cancels: dict[str, Cancel] = {}
         self._lock = threading.Lock()
 
@@ -279,20 +313,21 @@ class Backend:
         return decoder.run(self._prompt_for(pair, spec.prompt), max_new_tokens=int(spec.max_new_tokens))
 
     def _ar_key(self, pair, spec: RunSpec) -> tuple:
-        return (self.pairs.loaded_name, spec.prompt_key(), int(spec.max_new_tokens), str(pair.dtype),
-                float(spec.temperature), float(spec.top_p), int(spec.top_k), int(spec.seed))
+        return ARCache.key(self.pairs.loaded_name, pair.dtype, spec)
 
     def ar(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | RunResult]:
-        """AR on the same prompt and settings (cached); yields a Status, then the result (None if cancelled)."""
+        """AR on the same prompt and settings (cached); yields a Status, then the result (nothing if cancelled)."""
         key = self._ar_key(pair, spec)
-        if key not in self.ar_cache:
+        cached = self.ar_cache.get(key)
+        if cached is None:
             yield Status("measuring plain autoregressive decoding on the same prompt…")
             run = self._run(pair, spec, "ar", {}, "cpu")
             for _ in run:
                 if cancel.is_set():
                     return
-            self.ar_cache[key] = run.result
-        yield self.ar_cache[key]
+            cached = run.result
+            self.ar_cache.put(key, cached)
+        yield cached
 
     def holding(self, cancel: Cancel, body: Iterator, cancelled: tuple = ()) -> Iterator:
         """`body`'s items, produced while holding the pair's run lock (a Status while waiting for it; `cancelled`'s
@@ -314,7 +349,8 @@ class Backend:
                 self.pairs.run_lock.release()
 
     def decode(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | Step | Done]:
-        """Decode `spec` under the pair's lock: a Step after every iteration, then Done (with AR beside it)."""
+        """Decode `spec` under the pair's lock: a Step after every iteration, Done as soon as it ends, then Done
+        again with AR beside it once AR is measured (or found in the cache)."""
         return self.holding(cancel, self._decode(pair, spec, cancel), cancelled=(Done(None),))
 
     def _decode(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | Step | Done]:
@@ -324,17 +360,19 @@ class Backend:
             if cancel.is_set():
                 yield Done(None)
                 return
-        result, ar = run.result, None
-        for item in self.ar(pair, spec, cancel) if spec.strategy != "ar" else [result]:
-            if isinstance(item, Status):
-                yield item
-            else:
-                ar = item
+        result = run.result
         if spec.strategy == "ar":
-            self.ar_cache[self._ar_key(pair, spec)] = result
+            self.ar_cache.put(self._ar_key(pair, spec), result)
+        ar = self.ar_cache.get(self._ar_key(pair, spec))
         if ar is None:
-            yield Done(None)
-            return
+            yield Done(result)  # show the run now; AR follows
+            for item in self.ar(pair, spec, cancel):
+                if isinstance(item, Status):
+                    yield item
+                else:
+                    ar = item
+            if ar is None:  # cancelled while measuring AR: the run stays shown, without a baseline
+                return
         attach_comparison(result, ar)
         yield Done(result, ar)
 

@@ -121,7 +121,6 @@ def tree_traces(iteration: IterationRecord, label_all: bool | None = None, show_
     if not nodes:
         return []
     pos = iteration_layout(iteration)
-    by_id = {n.id: n for n in nodes}
     large = len(nodes) > LARGE_TREE
     if label_all is None:
         label_all = not large
@@ -204,6 +203,16 @@ def _coloraxis(show_scale: bool = True) -> dict[str, Any]:
                          "tickvals": [0, 0.25, 0.5, 0.75, 1.0]}}
 
 
+def selector_caption(choice: dict | None) -> str:
+    """What the delayed tree's neural selector chose for this iteration (engine/selector.py), or nothing."""
+    if not choice:
+        return ""
+    text = f"<br>selector chose (K, L1, L2) = ({choice['k']}, {choice['l1']}, {choice['l2']})"
+    if choice.get("predicted_tokens_per_s") is not None:
+        text += f", predicted {choice['predicted_tokens_per_s']:.1f} tok/s"
+    return text
+
+
 def tree_figure(iteration: IterationRecord | None, frame: dict[str, list[float]] | None = None, title: str | None = None,
                 height: int | None = None) -> go.Figure:
     """The draft tree of one iteration: root (last committed token) at the left, depth to the right."""
@@ -222,7 +231,8 @@ def tree_figure(iteration: IterationRecord | None, frame: dict[str, list[float]]
         nodes = iteration.nodes
         title = (f"iteration {iteration.index}: {iteration.drafted} drafted, "
                  f"{iteration.accepted} accepted + bonus "
-                 f"'{visible_token(iteration.bonus_text)}'")
+                 f"'{visible_token(iteration.bonus_text)}', {iteration.times.get('total', 0) * 1000:.0f} ms")
+        title += selector_caption(iteration.extra.get("selector"))
         if len(nodes) > LARGE_TREE:
             title += " (labels on the accepted path only)"
     span = frame["y"][1] - frame["y"][0]
@@ -456,23 +466,18 @@ def metrics_rows(run: RunResult, ar_run: RunResult | None = None) -> dict[str, A
     return row
 
 
-def metrics_html(run: RunResult | None, ar_run: RunResult | None = None, selected: int | None = None) -> str:
+def metrics_html(run: RunResult | None, ar_run: RunResult | None = None) -> str:
+    """The run-level metrics row (the selected iteration's numbers are in the tree's title)."""
     if run is None:
         return ""
     row = metrics_rows(run, ar_run)
 
     def f(v, spec=".2f"):
         return "–" if v is None else (format(v, spec) if isinstance(v, float) else str(v))
-    cells = [("tokens/s", f(row["tokens/s"], ".1f")), ("speedup vs AR", f(row["speedup"], ".2f") + "×"
-             if row["speedup"] else "–"), ("L̄", f(row["L̄"])), ("ℓ̄", f(row["ℓ̄"])),
-             ("acceptance", f(row["acceptance"])), ("iterations", f(row["#iterations"])),
-             ("new tokens", f(row["new tokens"]))]
-    its = run.iterations
-    if selected is not None and 0 <= selected < len(its):
-        it = its[selected]
-        cells.append((f"iteration {selected}",
-                      f"{it.accepted}/{it.drafted} accepted, +{it.committed}"
-                      f" tokens, {it.times.get('total', 0) * 1000:.0f} ms"))
+    speedup = f(row["speedup"], ".2f") + "×" if row["speedup"] else "–"
+    cells = [("run", str(run.strategy)), ("tokens/s", f(row["tokens/s"], ".1f")), ("speedup vs AR", speedup),
+             ("L̄", f(row["L̄"])), ("ℓ̄", f(row["ℓ̄"])), ("acceptance", f(row["acceptance"])),
+             ("iterations", f(row["#iterations"])), ("new tokens", f(row["new tokens"]))]
     body = "".join(f"<div style='display:inline-block;margin:0 14px 4px 0'><div style='font-size:11px;"
                    f"color:#6b7280'>{html.escape(k)}</div><div style='font-size:16px;font-weight:600'>"
                    f"{html.escape(v)}</div></div>" for k, v in cells)

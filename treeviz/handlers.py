@@ -6,14 +6,15 @@ That decorated generator takes only picklable arguments (a RunSpec, the session 
 picklable values (tuples of strings, dicts, plotly figures, RunResults): on a ZeroGPU Space it runs in another
 process. Stop is Gradio's own cancellation (`cancels=`) plus the session's cancel flag, checked between iterations.
 
-Run outputs, in order: run state, AR state, scrubber, run status, download, then the six views (views.VIEW_NAMES).
+Run outputs, in order: views.RUN_OUTPUTS (run state, AR state, scrubber, run status, download, then the views);
+Compare outputs: the same followed by COMPARE_EXTRA. Handlers name what they change (`views.outputs`).
 """
 from __future__ import annotations
 
 import logging
 import time
 import traceback
-from typing import Any, Iterator
+from typing import Iterator
 
 import gradio as gr
 
@@ -22,13 +23,19 @@ from treeviz import figures as F
 from treeviz.backend import (BACKEND, USER_FACING, Cancel, RunSpec, Status, Step, UserError,
                              friendly_error)
 from treeviz.gpu import GPU_SECONDS_MAX, gpu, is_zero_gpu_error, zero_gpu_message
-from treeviz.views import (PENDING_BADGE, compare_row, compare_table, last_index, render_views, run_summary,
-                           save_trace, status_html, streamed_views)
+from treeviz.panels import calibration_figure
+from treeviz.views import (MEASURING_BADGE, PENDING_BADGE, RUN_OUTPUTS, compare_row, compare_table,
+                           last_index, outputs, render_views, run_summary, save_trace, status_html, streamed_views)
 
 log = logging.getLogger("treeviz")
 UPDATE_INTERVAL = 0.25  # seconds between streamed updates after the first (at most ~4/s: figures cost ms each)
-SKIP = gr.skip()
-N_RUN_OUTPUTS = 11
+N_RUN_OUTPUTS = len(RUN_OUTPUTS)
+COMPARE_EXTRA = ("compare_table", "compare_plot", "compare_calibration")
+COMPARE_OUTPUTS = RUN_OUTPUTS + COMPARE_EXTRA
+
+
+def status_update(text: str, error: bool = False, names: tuple[str, ...] = RUN_OUTPUTS) -> tuple:
+    return outputs({"status": status_html(text, error=error)}, names)
 
 
 def spec_from_inputs(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_tokens: float,
@@ -56,7 +63,7 @@ def spec_from_inputs(prompt: str, chat: bool, pair: str, strategy: str, preset: 
         raise gr.Error(f"Bad setting: {err}") from None
 
 
-def wait_for_pair(name: str, cancel: Cancel, status_only: bool = False) -> Iterator[tuple]:
+def wait_for_pair(name: str, cancel: Cancel, names: tuple[str, ...] = RUN_OUTPUTS) -> Iterator[tuple]:
     """Yield loading progress until the pair is ready (on CPU, outside the GPU slot); UserError if it fails."""
     BACKEND.pairs.request(name)
     last = 0.0
@@ -64,8 +71,7 @@ def wait_for_pair(name: str, cancel: Cancel, status_only: bool = False) -> Itera
         if time.monotonic() - last > 0.5:
             last = time.monotonic()
             frac, msg = BACKEND.pairs.status()["progress"]
-            html = status_html(f"waiting for the models: {msg}", progress=frac)
-            yield (html,) if status_only else (SKIP, SKIP, SKIP, html) + (SKIP,) * 7
+            yield outputs({"status": status_html(f"waiting for the models: {msg}", progress=frac)}, names)
 
 
 # -- Run ---------------------------------------------------------------------------------------------------------------
@@ -78,18 +84,22 @@ def run(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_
     session = request.session_hash or "default"
     cancel = BACKEND.begin(session)
     try:
-        # a fresh run: clear the previous run's views that would otherwise look current
-        yield (None, None, gr.update(value=0, maximum=1), status_html(f"starting {spec.strategy} on {spec.pair}…"),
-               None, SKIP, SKIP, "", F.charts_figure(None), F.throughput_figure(None, None), PENDING_BADGE)
+        # a fresh run: clear the previous run's views that would otherwise look current (the tree and the text
+        # stay until the first streamed iteration replaces them)
+        empty = render_views(None, None, None)
+        yield outputs({"run": None, "ar": None, "scrubber": gr.update(value=0, maximum=1),
+                       "status": status_html(f"starting {spec.strategy} on {spec.pair}…"), "download": None,
+                       **{name: view for name, view in empty.items() if name not in ("tree", "text")},
+                       "badge": PENDING_BADGE})
         yield from wait_for_pair(spec.pair, cancel)
         if not cancel.is_set():
             yield from decode_views(spec, session, stage_mode)
     except UserError as err:
-        yield (SKIP, SKIP, SKIP, status_html(str(err), error=True)) + (SKIP,) * 7
+        yield status_update(str(err), error=True)
     except gr.Error as err:
         if not is_zero_gpu_error(err):
             raise
-        yield (SKIP, SKIP, SKIP, status_html(zero_gpu_message(err), error=True)) + (SKIP,) * 7
+        yield status_update(zero_gpu_message(err), error=True)
     finally:
         BACKEND.end(session, cancel)
 
@@ -103,14 +113,14 @@ def _run_seconds(spec: RunSpec, session: str, stage_mode: str) -> int:
 def decode_views(spec: RunSpec, session: str, stage_mode: str) -> Iterator[tuple]:
     """Iterate the decoding loop under the pair's lock; yield run outputs (picklable: see the module docstring)."""
     cancel = BACKEND.cancel_of(session)
-    frame, framed, last_emit = None, 0, 0.0
+    frame, framed, last_emit, shown = None, 0, 0.0, False
     try:
         pair = BACKEND.pairs.ready(spec.pair, timeout=0)
         if pair is None:
             raise UserError("the model pair is not loaded yet: press Run again")
         for item in BACKEND.decode(pair, spec, cancel):
             if isinstance(item, Status):
-                yield (SKIP, SKIP, SKIP, status_html(item.text)) + (SKIP,) * 7
+                yield status_update(item.text)
             elif isinstance(item, Step):
                 now = time.monotonic()
                 if now - last_emit >= UPDATE_INTERVAL and not cancel.is_set():
@@ -120,14 +130,17 @@ def decode_views(spec: RunSpec, session: str, stage_mode: str) -> Iterator[tuple
                         frame = F.grow_frame(frame, it)
                     framed = len(snap.iterations)
                     yield _streamed(spec, snap, frame)
-            elif item.result is not None:
+            elif item.result is not None and not shown:
+                shown = True
                 yield _finished(item.result, item.ar, stage_mode)
+            elif item.result is not None:
+                yield _baseline(item.result, item.ar, stage_mode)
             elif not cancel.superseded:  # a newer run of this session owns the views: leave them alone
-                yield (SKIP, SKIP, SKIP, status_html("stopped")) + (SKIP,) * 7
+                yield status_update("stopped")
     except Exception as err:  # noqa: BLE001 - engine errors become one plain line, the traceback goes to the log
         if not isinstance(err, USER_FACING):
             log.warning("run failed:\n%s", traceback.format_exc())
-        yield (SKIP, SKIP, SKIP, status_html(friendly_error(err), error=True)) + (SKIP,) * 7
+        yield status_update(friendly_error(err), error=True)
 
 
 def _streamed(spec: RunSpec, snap, frame: dict) -> tuple:
@@ -135,29 +148,44 @@ def _streamed(spec: RunSpec, snap, frame: dict) -> tuple:
     status = status_html(f"decoding with {spec.strategy}: iteration {n - 1}, {snap.metrics['new_tokens']} tokens, "
                          f"{snap.metrics['total_s']:.1f}s")
     # the snapshot goes to the run state too: after a Stop the views scrub what was streamed
-    return (snap, None, gr.update(maximum=max(1, n - 1), value=n - 1), status, SKIP,
-            *streamed_views(snap, frame), SKIP, SKIP, SKIP)
+    return outputs({"run": snap, "ar": None, "scrubber": gr.update(maximum=max(1, n - 1), value=n - 1),
+                    "status": status, **streamed_views(snap, frame)})
 
 
 def _finished(result, ar, stage_mode: str) -> tuple:
+    """The run as soon as it ends, every view at its last iteration; without AR (not measured yet) its baseline
+    follows in `_baseline`."""
     n = last_index(result)
-    return (result, ar, gr.update(maximum=max(1, n or 0), value=n or 0), status_html(run_summary(result)),
-            save_trace(result), *render_views(result, ar, n, stage_mode))
+    views = render_views(result, ar, n, stage_mode)
+    status = run_summary(result) + ("" if ar is not None else " — measuring AR on the same prompt…")
+    return outputs({"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
+                    "status": status_html(status), "download": save_trace(result), **views,
+                    **({"badge": MEASURING_BADGE} if ar is None else {})})
+
+
+def _baseline(result, ar, stage_mode: str) -> tuple:
+    """AR's measurement arrived: every view again at the last iteration, now with AR beside the run (the last value
+    of /run is complete for an API caller). The scrubber is left where the user put it meanwhile: the page puts the
+    views back at its position right after (ui._wire_runs)."""
+    views = render_views(result, ar, last_index(result), stage_mode)
+    return outputs({"run": result, "ar": ar, "status": status_html(run_summary(result)),
+                    "download": save_trace(result), **views})
 
 
 def stop(request: gr.Request) -> str:
     """Stop button: raise the session's cancel flag (Gradio's `cancels=` ends the handler itself)."""
     if not BACKEND.stop(request.session_hash or "default"):
         gr.Info("Nothing is running.")
-        return SKIP
+        return gr.skip()
     return status_html("stopped: the views show the run up to the last streamed iteration")
 
 
 # -- Compare -------------------------------------------------------------------------------------------------------
 def compare(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_tokens: float,
             temperature: float, top_p: float, top_k: float, seed: float, verifier: str, params: dict,
-            methods: list[str], request: gr.Request) -> Iterator[tuple]:
-    """AR and each ticked strategy on the same prompt: a table row and a first tree per method."""
+            methods: list[str], stage_mode: str, request: gr.Request) -> Iterator[tuple]:
+    """AR and each ticked strategy on the same prompt: a table row, a first tree and a calibration line per method;
+    the main views follow each method as it finishes."""
     spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, params)
     methods = [m for m in (methods or []) if m in STRATEGIES and m != "ar"]
@@ -166,49 +194,63 @@ def compare(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_
     session = request.session_hash or "default"
     cancel = BACKEND.begin(session)
     try:
-        yield status_html("comparing: measuring AR first…"), SKIP, SKIP
-        for (html,) in wait_for_pair(spec.pair, cancel, status_only=True):
-            yield html, SKIP, SKIP
+        yield status_update("comparing: measuring AR first…", names=COMPARE_OUTPUTS)
+        yield from wait_for_pair(spec.pair, cancel, COMPARE_OUTPUTS)
         if not cancel.is_set():
-            yield from compare_views(spec, session, methods)
+            yield from compare_views(spec, session, methods, stage_mode)
     except UserError as err:
-        yield status_html(str(err), error=True), SKIP, SKIP
+        yield status_update(str(err), error=True, names=COMPARE_OUTPUTS)
     except gr.Error as err:
         if not is_zero_gpu_error(err):
             raise
-        yield status_html(zero_gpu_message(err), error=True), SKIP, SKIP
+        yield status_update(zero_gpu_message(err), error=True, names=COMPARE_OUTPUTS)
     finally:
         BACKEND.end(session, cancel)
 
 
-def _compare_seconds(spec: RunSpec, session: str, methods: list[str]) -> int:
+def _compare_seconds(spec: RunSpec, session: str, methods: list[str], stage_mode: str) -> int:
     return min(GPU_SECONDS_MAX, 20 + (1 + len(methods)) * spec.max_new_tokens // 4)
 
 
 @gpu(duration=_compare_seconds)
-def compare_views(spec: RunSpec, session: str, methods: list[str]) -> Iterator[tuple[Any, Any, Any]]:
-    """(status, table, small multiples) after each method; picklable like decode_views."""
+def compare_views(spec: RunSpec, session: str, methods: list[str], stage_mode: str) -> Iterator[tuple]:
+    """Compare outputs after each method: the table, first trees and calibration so far, and the main views (metrics
+    row included) showing the method just finished; picklable like decode_views."""
     cancel = BACKEND.cancel_of(session)
-    rows, trees = [], []
+    rows, trees, runs = [], [], []
+    names = COMPARE_OUTPUTS
     try:
         pair = BACKEND.pairs.ready(spec.pair, timeout=0)
         if pair is None:
             raise UserError("the model pair is not loaded yet: press Compare again")
         for item in BACKEND.compare(pair, spec, methods, cancel):
             if isinstance(item, Status):
-                yield status_html(item.text), SKIP, SKIP
+                yield status_update(item.text, names=names)
                 continue
-            rows.append(compare_row(item.result, item.ar))
-            if item.result is not item.ar and item.result.iterations:
-                trees.append((item.result.strategy, item.result.iterations[0]))
-            yield (status_html(f"compare: {item.result.strategy} done"), compare_table(rows),
-                   F.small_multiples(trees) if trees else SKIP)
+            result, ar = item.result, item.ar
+            rows.append(compare_row(result, ar))
+            shown = {}
+            if result is not ar:
+                runs.append((result.strategy, result))
+                if result.iterations:
+                    trees.append((result.strategy, result.iterations[0]))
+                n = last_index(result)
+                shown = {"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
+                         "download": save_trace(result), **render_views(result, ar, n, stage_mode)}
+            yield outputs({**shown, "status": status_html(f"compare: {result.strategy} done"),
+                           **_compare_extra(rows, trees, runs)}, names)
         if cancel.is_set():
-            yield (status_html("comparison stopped") if not cancel.superseded else SKIP), SKIP, SKIP
-        elif rows:  # the last value carries everything: an API caller reads only the last
-            yield (status_html(f"compared {len(rows)} methods on the same prompt"), compare_table(rows),
-                   F.small_multiples(trees))
+            if not cancel.superseded:
+                yield status_update("comparison stopped", names=names)
+        elif rows:  # the last value carries the comparison: an API caller reads only the last
+            yield outputs({"status": status_html(f"compared {len(rows)} methods on the same prompt"),
+                           **_compare_extra(rows, trees, runs)}, names)
     except Exception as err:  # noqa: BLE001 - one plain line for the user, the traceback to the log
         if not isinstance(err, USER_FACING):
             log.warning("compare failed:\n%s", traceback.format_exc())
-        yield status_html(friendly_error(err), error=True), SKIP, SKIP
+        yield status_update(friendly_error(err), error=True, names=names)
+
+
+def _compare_extra(rows: list[dict], trees: list, runs: list) -> dict:
+    return {"compare_table": compare_table(rows), "compare_calibration": calibration_figure(runs),
+            **({"compare_plot": F.small_multiples(trees)} if trees else {})}

@@ -1,15 +1,18 @@
-"""Regenerate the gallery of precomputed traces in assets/traces/ (shown before any model loads).
+"""Regenerate the gallery of precomputed traces in assets/traces/ (what a visitor sees before any model loads).
 
-    python -m treeviz.make_gallery                      # tiny random pair (seconds; what ships by default)
-    python -m treeviz.make_gallery --pair default       # the real offline pair (slow on CPU)
+    python -m treeviz.make_gallery --pair default        # the real offline pair: several minutes of CPU
+    python -m treeviz.make_gallery --pair tiny-random --out /tmp/gallery   # seconds; what the tests use
 
-Each trace is one RunResult JSON (engine.trace) with its comparison against AR on the same prompt; files stay
-under --max-kb (default 300 KB): if one is larger it is re-run with fewer new tokens.
+Code, chat and prose prompts (the first of each kind in assets/prompts/); DynaTree, DySpec, SALF and DDTree with
+their `paper` presets (big trees), `delayed` at temperature 0.8, then the `cpu` preset of the strategy that ran
+fastest among them on the code prompt. Each trace is one compact RunResult JSON (engine.trace) with its comparison
+against AR on the same prompt, through the same backend loop the app streams from. A file over --max-kb is run
+again with proportionally fewer new tokens, so every file stays bounded; the total is printed at the end.
 """
 from __future__ import annotations
 
 import argparse
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.strategies import STRATEGIES
@@ -17,60 +20,94 @@ from treeviz.backend import Backend, Cancel, Done, RunSpec, UserError
 from treeviz.replay import TRACE_DIR
 from treeviz.ui import load_examples
 
-# (file stem, prompt kind, strategy, pair override or None)
+MIN_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str                  # prompt kind: code, chat, prose
+    strategy: str
+    preset: str = "paper"
+    temperature: float = 0.0
+    tokens: float = 1.0        # share of --max-new-tokens
+
+    @property
+    def stem(self) -> str:
+        return f"{self.kind}_{self.strategy}_{self.preset}"
+
+
 PLAN = (
-    ("code_dynatree", "code", "dynatree", None),
-    ("chat_fixed", "chat", "fixed", None),
-    ("prose_linear", "prose", "linear", None),
-    ("code_ddtree", "code", "ddtree", None),
-    ("chat_salf", "chat", "salf", None),
-    ("code_dynatree", "code", "dynatree", "tiny-random-identical"),
+    # 256-node trees (DynaTree's and DDTree's paper budgets) write ~100 KB of records per iteration: fewer tokens
+    Entry("code", "dynatree", tokens=0.5), Entry("code", "dyspec"), Entry("code", "salf"),
+    Entry("code", "ddtree", tokens=0.4), Entry("chat", "dynatree", tokens=0.5), Entry("chat", "ddtree", tokens=0.4),
+    Entry("prose", "dyspec"), Entry("prose", "salf"),
+    Entry("chat", "delayed", "cpu", 0.8),
 )
 
 
 def run_one(backend: Backend, spec: RunSpec):
-    """The run and its comparison with AR, through the same backend loop the app streams from."""
+    """The run with AR beside it, through the backend loop the app streams from."""
     backend.pairs.request(spec.pair)
     while (pair := backend.pairs.ready(spec.pair)) is None:  # raises UserError if the pair cannot load
         pass
     done = [item for item in backend.decode(pair, spec, Cancel()) if isinstance(item, Done)]
-    if not done or done[-1].result is None:
+    if not done or done[-1].result is None or done[-1].ar is None:
         raise UserError(f"{spec.strategy} on {spec.pair} did not finish")
     return done[-1].result
 
 
+def bounded_run(backend: Backend, pair: str, prompt, entry: Entry, tokens: int, max_bytes: int):
+    """(result, compact JSON) with the JSON under max_bytes: re-run with fewer tokens while it is larger."""
+    while True:
+        spec = RunSpec(pair=pair, prompt=prompt, strategy=entry.strategy, preset=entry.preset,
+                       max_new_tokens=tokens, temperature=entry.temperature)
+        result = run_one(backend, spec)
+        text = result.to_json(compact=True)
+        size = len(text.encode())
+        if size <= max_bytes or tokens <= MIN_TOKENS:
+            return result, text
+        tokens = max(MIN_TOKENS, int(tokens * max_bytes / size * 0.9))
+
+
+def write(out: Path, pair: str, entry: Entry, result, text: str) -> int:
+    path = out / f"{pair.replace('/', '-')}_{entry.stem}.json"
+    path.write_text(text)
+    m, speedup = result.metrics, (result.comparison or {}).get("speedup_vs_ar")
+    print(f"{path.name}: {len(text.encode()) / 1024:.0f} KB, {m['new_tokens']} tokens, {m['iterations']} iterations, "
+          f"L̄ {m['mean_tokens_per_iter']:.2f}, speedup {speedup or 0:.2f}×, "
+          f"matches AR: {(result.comparison or {}).get('exact_match')}", flush=True)
+    return len(text.encode())
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default="tiny-random")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--max-kb", type=int, default=300)
+    parser.add_argument("--pair", default="default")
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--max-kb", type=int, default=450, help="bound on each trace file")
     parser.add_argument("--out", default=str(TRACE_DIR))
+    parser.add_argument("--only", default="", help="comma-separated strategies to keep from the plan (quick checks)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     examples = load_examples()
-    backend = Backend()
-    tiny = args.pair.startswith("tiny-random")
-    for stem, kind, strategy, pair_override in PLAN:
-        if strategy not in STRATEGIES:
-            continue
-        if pair_override and not tiny:
-            continue  # the identical-draft demo only makes sense with the tiny pairs
-        pair = pair_override or args.pair
-        prompt = next((e["prompt"] for e in examples if e["kind"] == kind), examples[0]["prompt"])
-        tokens = args.max_new_tokens
-        while True:
-            result = run_one(backend, RunSpec(pair=pair, prompt=prompt, strategy=strategy, max_new_tokens=tokens))
-            text = json.dumps(result.to_dict(), ensure_ascii=False, separators=(",", ":"))
-            if len(text.encode()) <= args.max_kb * 1024 or tokens <= 4:
-                break
-            tokens = max(4, tokens // 2)
-        name = f"{pair}_{stem}"
-        path = out / f"{name.replace('/', '-')}.json"
-        path.write_text(text)
-        m = result.metrics
-        print(f"{path.name}: {len(text) // 1024} KB, {m['new_tokens']} tokens, {m['iterations']} iterations, "
-              f"L̄ {m['mean_tokens_per_iter']:.2f}, matches AR: {(result.comparison or {}).get('exact_match')}")
+    prompts = {kind: next((e["prompt"] for e in examples if e["kind"] == kind), examples[0]["prompt"])
+               for kind in ("code", "chat", "prose")}
+    keep = {s for s in args.only.split(",") if s}
+    plan = [e for e in PLAN if e.strategy in STRATEGIES and (not keep or e.strategy in keep)]
+    backend, total, code_speedups = Backend(), 0, {}
+    for entry in plan:
+        tokens = max(MIN_TOKENS, round(args.max_new_tokens * entry.tokens))
+        result, text = bounded_run(backend, args.pair, prompts[entry.kind], entry, tokens, args.max_kb * 1024)
+        total += write(out, args.pair, entry, result, text)
+        if entry.kind == "code" and entry.temperature == 0:
+            code_speedups[entry.strategy] = (result.comparison or {}).get("speedup_vs_ar") or 0.0
+    if code_speedups:
+        # the first view: small trees, so a longer run fits in the same bound
+        best = Entry("code", max(code_speedups, key=code_speedups.get), "cpu", tokens=1.5)
+        tokens = round(args.max_new_tokens * best.tokens)
+        result, text = bounded_run(backend, args.pair, prompts["code"], best, tokens, args.max_kb * 1024)
+        total += write(out, args.pair, best, result, text)
+    print(f"gallery: {total / 1024 / 1024:.2f} MB in {out}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Replaying trace files (gallery and uploads) with no models: a file becomes run outputs, or one plain message."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gradio as gr
 
 from engine.trace import RunResult, TraceError, load_run
-from treeviz.views import last_index, render_views, status_html
+from treeviz.views import last_index, outputs, render_views, status_html
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE_DIR = ROOT / "assets" / "traces"
@@ -14,14 +15,44 @@ MAX_TRACE_MB = 20  # a 512-token run with 256-node trees is ~15 MB; anything lar
 
 
 def gallery_traces() -> list[Path]:
-    """Gallery files, a code/DynaTree trace first (the most telling first view)."""
+    """Gallery files, best first: real models before tiny random ones, then by the speedup recorded with each."""
     paths = sorted(TRACE_DIR.glob("*.json")) if TRACE_DIR.exists() else []
-    return sorted(paths, key=lambda p: (not ("code" in p.stem and "dynatree" in p.stem), "identical" in p.stem,
-                                        p.stem))
+    return sorted(paths, key=lambda p: gallery_rank(_summary(p)) + (p.stem,))
+
+
+def gallery_rank(summary: dict) -> tuple:
+    return (summary["tiny"], -(summary["speedup"] or 0.0))
+
+
+def _summary(path: Path) -> dict:
+    """What the gallery list shows of a trace: models, strategy, preset, prompt kind, speedup (cached per file)."""
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _SUMMARIES:
+        try:
+            data = json.loads(path.read_text())
+            config, comparison = data.get("config") or {}, data.get("comparison") or {}
+            target = str(config.get("target") or "?")
+            _SUMMARIES[key] = {"tiny": target.startswith("tiny"), "speedup": comparison.get("speedup_vs_ar"),
+                               "strategy": data.get("strategy"), "target": target,
+                               "temperature": (config.get("sampling") or {}).get("temperature") or 0}
+        except (OSError, ValueError, AttributeError):
+            _SUMMARIES[key] = {"tiny": True, "speedup": None, "strategy": None, "target": "?", "temperature": 0}
+    return _SUMMARIES[key]
+
+
+_SUMMARIES: dict[tuple, dict] = {}
 
 
 def gallery_label(path: Path) -> str:
-    return path.stem.replace("_", " ")
+    """e.g. "code: dynatree (cpu) · 2.31× vs AR · Qwen2.5-Coder-1.5B-Instruct" from a make_gallery file
+    (pair_kind_strategy_preset.json) and the speedup recorded in it."""
+    info = _summary(path)
+    parts = path.stem.rsplit("_", 3)
+    head = f"{parts[1]}: {parts[2]} ({parts[3]})" if len(parts) == 4 else path.stem.replace("_", " ")
+    if info["temperature"]:
+        head += f" at T={info['temperature']:g}"
+    speedup = f" · {info['speedup']:.2f}× vs AR" if info["speedup"] else ""
+    return f"{head}{speedup} · {info['target'].split('/')[-1]}"
 
 
 def read_trace(path: str) -> RunResult:
@@ -40,19 +71,19 @@ def read_trace(path: str) -> RunResult:
     return run
 
 
-def replay(path: str | None, stage_mode: str, source: str) -> list:
+def replay(path: str | None, stage_mode: str, source: str) -> tuple:
     """Run outputs (states, scrubber, status, download, views) for the trace at `path`."""
     if not path:
-        return [gr.skip()] * 11
+        return outputs({})
     try:
         run = read_trace(path)
         views = render_views(run, None, last_index(run), stage_mode)
     except (TraceError, AttributeError, KeyError, TypeError, ValueError) as err:  # a malformed record inside
         message = f"Cannot replay this file: {err}"
         gr.Warning(message)
-        return [gr.skip()] * 3 + [status_html(message, error=True)] + [gr.skip()] * 7
+        return outputs({"status": status_html(message, error=True)})
     n, cfg = len(run.iterations), run.config
     message = (f"replaying {source}: {run.strategy} on {cfg.get('target')} + {cfg.get('draft')} "
                f"({cfg.get('dtype')}), {n} iterations, {len(run.output_ids)} tokens — no models used")
-    return [run, None, gr.update(maximum=max(1, n - 1), value=max(0, n - 1)), status_html(message), gr.skip(),
-            *views]
+    return outputs({"run": run, "ar": None, "scrubber": gr.update(maximum=max(1, n - 1), value=max(0, n - 1)),
+                    "status": status_html(message), **views})

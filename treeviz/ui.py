@@ -3,7 +3,7 @@ events; the handlers that touch models live in treeviz/handlers.py, the views in
 
 API (gradio_client): /run takes prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k,
 seed, verifier, params (a dict of the strategy's parameters by name), stage_mode; /compare takes the same plus
-methods; /stop, /scrub, /upload, /gallery.
+methods and stage_mode; /stop, /scrub, /inspect (a node of the shown iteration), /upload, /gallery.
 """
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from treeviz import figures as F
 from treeviz import handlers
 from treeviz.backend import BACKEND, pair_choices
 from treeviz.controls import ParamControls, verifier_options
+from treeviz.inspector import inspect, inspector_figure, inspector_html
+from treeviz.panels import calibration_figure, cost_figure
 from treeviz.replay import gallery_label, gallery_traces, replay
-from treeviz.views import render_views, status_html
+from treeviz.views import VIEW_NAMES, render_views, status_html
 
 log = logging.getLogger("treeviz")
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +50,17 @@ right; siblings are ordered by draft probability, most likely on top.
   the residual distribution (sampling only).
 * Thick black edges = the accepted path. Hover a node for its token (␣ space, ⏎ newline, ⇥ tab), *q*, cumulative
   *q* of its path, the target's *p*, depth, rank and outcome.
+* **Click a node** (or type its id under the tree) to open the **node inspector**: the draft's *q* and the target's
+  *p* at its parent over their top 10 tokens side by side, the node's acceptance probability under the run's rule
+  and why it was accepted, rejected or never looked at.
+
+**Calibration** (tab): every node the verification tested, binned by its draft probability *q*, against the
+fraction accepted. DySpec's trees assume a token's chance of acceptance is about its *q* (the diagonal); a curve
+below it means the draft is over-confident.
+
+**Costs** (tab): what verifying *n* tree nodes in one target forward, and the draft's forwards, cost on this machine
+(measured points beside the engine's cost-table prediction), and per iteration the draft + verify time against the
+break-even: the time AR would take for the tokens the iteration committed. Below the line the iteration beat AR.
 
 **The numbers.** *L̄* = tokens committed per target pass (accepted + bonus; AR has L̄ = 1). *ℓ̄* = mean accepted
 draft length. *Acceptance* = accepted draft tokens / drafted nodes. *Per-depth acceptance* = share of iterations
@@ -75,7 +88,34 @@ CSS = F.TEXT_CSS + """
 .tv-bar {height: 8px; background: #e5e8e8; border-radius: 4px; overflow: hidden; margin-top: 4px;}
 .tv-bar > div {height: 100%; background: #2e86c1; transition: width 0.4s;}
 #tv-tree {min-height: 380px;}
+#tv-tree .js-plotly-plot .scatterlayer .points path {cursor: pointer;}
+.tv-inspector {font-size: 13px; padding: 6px 10px; border: 1px solid #e5e7eb; border-radius: 6px;}
 footer {display: none !important;}
+"""
+
+
+# gr.Plot has no click event (Gradio 6: only `change`), so a click on a tree node is caught in the page: Plotly's
+# plotly_click on the tree's plot div (Gradio re-draws it with Plotly.react, which keeps listeners) writes the
+# node's id (customdata[0], set by figures.tree_traces) into the node picker and fires its input event, the same
+# event typing an id fires.
+NODE_CLICK_JS = """
+() => {
+  const hook = (plot) => {
+    if (plot.__treevizClick || typeof plot.on !== "function") return;
+    plot.__treevizClick = true;
+    plot.on("plotly_click", (event) => {
+      const point = event && event.points && event.points[0];
+      const id = point && point.customdata ? point.customdata[0] : null;
+      const box = document.querySelector("#tv-node input");
+      if (id === null || id === undefined || !box) return;
+      box.value = String(id);
+      box.dispatchEvent(new Event("input", {bubbles: true}));
+    });
+  };
+  const scan = () => document.querySelectorAll("#tv-tree .js-plotly-plot").forEach(hook);
+  new MutationObserver(scan).observe(document.body, {childList: true, subtree: true});
+  scan();
+}
 """
 
 
@@ -169,6 +209,12 @@ def _views(ui: SimpleNamespace) -> None:
     ui.tree = gr.Plot(F.tree_figure(None), label="Draft tree", show_label=False, elem_id="tv-tree")
     ui.scrubber = gr.Slider(0, 1, value=0, step=1, label="iteration (drag to replay the run; no models needed)",
                             elem_id="tv-scrubber")
+    with gr.Row(equal_height=False):
+        # a click on a tree node writes its id here (NODE_CLICK_JS); typing an id works too
+        ui.node = gr.Number(None, precision=0, minimum=0, label="inspect node (click one in the tree)",
+                            elem_id="tv-node", scale=0, min_width=170)
+        ui.inspector = gr.HTML(inspector_html(None, None, None), elem_id="tv-inspector")
+    ui.inspector_plot = gr.Plot(inspector_figure(None, None), show_label=False, elem_id="tv-inspector-plot")
     gr.HTML(F.token_legend_html())
     ui.text = gr.HTML(F.tokens_html(None), elem_id="tv-text")
     ui.metrics = gr.HTML("", elem_id="tv-metrics")
@@ -182,6 +228,10 @@ def _tabs(ui: SimpleNamespace) -> None:
             ui.charts = gr.Plot(F.charts_figure(None), label="Run charts", show_label=False, elem_id="tv-charts")
             ui.throughput = gr.Plot(F.throughput_figure(None, None), label="Throughput vs AR", show_label=False,
                                     elem_id="tv-throughput")
+        with gr.Tab("Calibration"):
+            ui.calibration = gr.Plot(calibration_figure([]), show_label=False, elem_id="tv-calibration")
+        with gr.Tab("Costs"):
+            ui.costs = gr.Plot(cost_figure(None), show_label=False, elem_id="tv-costs")
         with gr.Tab("Compare"):
             methods = [s for s in STRATEGIES if s != "ar"]
             ui.compare_methods = gr.CheckboxGroup(
@@ -191,6 +241,8 @@ def _tabs(ui: SimpleNamespace) -> None:
             ui.compare_table = gr.Dataframe(label="Same prompt, same session", interactive=False,
                                             elem_id="tv-compare-table")
             ui.compare_plot = gr.Plot(label="First tree of each strategy", show_label=False, elem_id="tv-compare-plot")
+            ui.compare_calibration = gr.Plot(calibration_figure([]), show_label=False,
+                                             elem_id="tv-compare-calibration")
         with gr.Tab("Traces"):
             with gr.Row():
                 ui.download = gr.File(label="Download this run (JSON trace)", interactive=False, elem_id="tv-download")
@@ -206,8 +258,8 @@ def _wire_runs(ui: SimpleNamespace) -> None:
     parameters by name into ui.params, then calls the run handler with them (so /run takes them by name too)."""
     settings = [ui.prompt, ui.chat, ui.pair, ui.strategy, ui.preset, ui.max_new, ui.temperature, ui.top_p, ui.top_k,
                 ui.seed, ui.verifier, ui.params]
-    view_outputs = [ui.tree, ui.text, ui.metrics, ui.charts, ui.throughput, ui.badge]
-    ui.run_outputs = [ui.run_state, ui.ar_state, ui.scrubber, ui.run_status, ui.download] + view_outputs
+    ui.view_outputs = [getattr(ui, name) for name in VIEW_NAMES]
+    ui.run_outputs = [ui.run_state, ui.ar_state, ui.scrubber, ui.run_status, ui.download] + ui.view_outputs
     collect = dict(fn=ui.controls.collect, inputs=[ui.strategy, *ui.controls.components], outputs=ui.params,
                    queue=False, show_progress="hidden", api_visibility="private")
     live = ui.controls.components + [ui.max_new, ui.temperature, ui.top_p, ui.top_k]
@@ -216,36 +268,46 @@ def _wire_runs(ui: SimpleNamespace) -> None:
         for c in live]  # live tuning: committing a new value re-runs (a newer run of a session cancels the older)
     runs = []
     for trigger, api_name in triggers:
-        runs.append(trigger(**collect).then(
+        run = trigger(**collect).then(
             handlers.run, settings + [ui.stage_mode], ui.run_outputs, concurrency_limit=None,
             show_progress="minimal" if api_name else "hidden",
-            **({"api_name": api_name} if api_name else {"api_visibility": "private"})))
+            **({"api_name": api_name} if api_name else {"api_visibility": "private"}))
+        runs.append(run)
+        # the run's last value shows its last iteration; a user who scrubbed while AR was measured gets that
+        # iteration back
+        run.then(show_iteration, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
+                 show_progress="hidden", queue=False, api_visibility="private")
     compare = ui.compare_btn.click(**collect).then(
-        handlers.compare, settings + [ui.compare_methods], [ui.run_status, ui.compare_table, ui.compare_plot],
+        handlers.compare, settings + [ui.compare_methods, ui.stage_mode],
+        ui.run_outputs + [ui.compare_table, ui.compare_plot, ui.compare_calibration],
         concurrency_limit=None, api_name="compare")
     ui.stop_btn.click(handlers.stop, None, ui.run_status, api_name="stop", concurrency_limit=None, queue=False,
                       cancels=runs + [compare])
 
 
 def _wire_views(ui: SimpleNamespace) -> None:
-    """Scrubbing, stage mode, trace replays: no models involved."""
-    view_outputs = ui.run_outputs[5:]
-
-    def on_scrub(run, ar, index, stage_mode):
-        if run is None:  # nothing to scrub yet: leave the views alone
-            return [gr.skip()] * len(view_outputs)
-        return render_views(run, ar, index, stage_mode)
+    """Scrubbing, stage mode, the node inspector, trace replays: no models involved."""
 
     def on_stage(run, index, stage_mode):
         return F.charts_figure(run, selected=int(index) if run is not None and run.iterations else None,
                                stage_mode=stage_mode)
 
-    ui.scrubber.input(on_scrub, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode], view_outputs,
+    ui.scrubber.input(show_iteration, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
                       show_progress="hidden", api_name="scrub", concurrency_limit=None)
     ui.stage_mode.change(on_stage, [ui.run_state, ui.scrubber, ui.stage_mode], ui.charts, show_progress="hidden")
+    ui.node.input(inspect, [ui.run_state, ui.scrubber, ui.node], [ui.node, ui.inspector, ui.inspector_plot],
+                  show_progress="hidden", api_name="inspect", concurrency_limit=None)
     ui.upload.upload(lambda path, stage_mode: replay(path, stage_mode, "uploaded trace"), [ui.upload, ui.stage_mode],
                      ui.run_outputs, api_name="upload")
     ui.gallery.input(on_gallery, [ui.gallery, ui.stage_mode], ui.run_outputs, api_name="gallery")
+
+
+def show_iteration(run, ar, index, stage_mode, node):
+    """Every view at iteration `index` (node `node` inspected): scrubbing, no models involved."""
+    if run is None:  # nothing to show yet: leave the views alone
+        return [gr.skip()] * len(VIEW_NAMES)
+    views = render_views(run, ar, index, stage_mode, node)
+    return [views[name] for name in VIEW_NAMES]
 
 
 def on_gallery(path, stage_mode):
@@ -312,4 +374,4 @@ def build_demo(initial_pair: str = "default", load_on_start: bool = True) -> gr.
 
 def launch_kwargs() -> dict:
     # Gradio refuses uploads over this at the transport; replay.MAX_TRACE_MB gives the plain message below it
-    return {"css": CSS, "theme": gr.themes.Soft(), "max_file_size": "64mb"}
+    return {"css": CSS, "js": NODE_CLICK_JS, "theme": gr.themes.Soft(), "max_file_size": "64mb"}

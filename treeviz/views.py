@@ -9,15 +9,30 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import plotly.graph_objects as go
+import gradio as gr
 
 from engine.trace import RunResult
 from treeviz import figures as F
+from treeviz.inspector import inspect
+from treeviz.panels import calibration_figure, cost_figure
 
-# the six view components, in this order, in every handler's outputs
-VIEW_NAMES = ("tree", "text", "metrics", "charts", "throughput", "badge")
+# the view components, in this order, after the run state, AR state, scrubber, status and download in every handler's
+# outputs (RUN_OUTPUTS); handlers name the values they change and `outputs` fills the rest with "unchanged"
+VIEW_NAMES = ("tree", "text", "metrics", "charts", "throughput", "badge", "node", "inspector", "inspector_plot",
+              "calibration", "costs")
+RUN_OUTPUTS = ("run", "ar", "scrubber", "status", "download") + VIEW_NAMES
 PENDING_BADGE = "<span class='tv-badge tv-na'>output vs AR: measured when the run ends</span>"
+MEASURING_BADGE = "<span class='tv-badge tv-na'>output vs AR: measuring AR on the same prompt…</span>"
+
+
+def outputs(values: dict[str, Any], names: tuple[str, ...] = RUN_OUTPUTS) -> tuple:
+    """`values` by component name as a tuple in `names` order; components not named stay as they are."""
+    unknown = set(values) - set(names)
+    if unknown:
+        raise KeyError(f"not an output here: {', '.join(sorted(unknown))}")
+    return tuple(values[n] if n in values else gr.skip() for n in names)
 
 
 def status_html(text: str, error: bool = False, progress: float | None = None) -> str:
@@ -32,11 +47,13 @@ def last_index(run: RunResult | None) -> int | None:
 
 
 def render_views(run: RunResult | None, ar_run: RunResult | None, index: int | None,
-                 stage_mode: str = "per iteration") -> tuple:
-    """(tree, text, metrics, charts, throughput, badge) for iteration `index` of `run`."""
+                 stage_mode: str = "per iteration", node: Any = None) -> dict[str, Any]:
+    """Every view of iteration `index` of `run` (node `node` in the inspector), by component name."""
     if run is None:
-        return (F.tree_figure(None), F.tokens_html(None), "", F.charts_figure(None), F.throughput_figure(None, None),
-                F.badge_html(None))
+        return {"tree": F.tree_figure(None), "text": F.tokens_html(None), "metrics": "",
+                "charts": F.charts_figure(None), "throughput": F.throughput_figure(None, None),
+                "badge": F.badge_html(None), **inspector_views(None, None, None),
+                "calibration": calibration_figure([]), "costs": cost_figure(None)}
     its = run.iterations
     if its:
         index = len(its) - 1 if index is None else max(0, min(int(index), len(its) - 1))
@@ -45,16 +62,29 @@ def render_views(run: RunResult | None, ar_run: RunResult | None, index: int | N
         index, tree = None, F.tree_figure(None)
     comparison = run.comparison
     div = comparison.get("first_divergence") if comparison and not comparison.get("exact_match") else None
-    return (tree, F.tokens_html(run, selected=index, divergence=div), F.metrics_html(run, ar_run, index),
-            F.charts_figure(run, selected=index, stage_mode=stage_mode), F.throughput_figure(run, ar_run),
-            F.badge_html(comparison, sampled=bool(run.config.get("sampling", {}).get("temperature"))))
+    return {"tree": tree, "text": F.tokens_html(run, selected=index, divergence=div),
+            "charts": F.charts_figure(run, selected=index, stage_mode=stage_mode),
+            **baseline_views(run, ar_run), **inspector_views(run, index, node),
+            "calibration": calibration_figure([(run.strategy, run)])}
 
 
-def streamed_views(run: RunResult, frame: dict) -> tuple[go.Figure, str, str]:
+def baseline_views(run: RunResult, ar_run: RunResult | None) -> dict[str, Any]:
+    """The views that change when AR's measurement arrives: metrics row, throughput bars, badge, costs."""
+    return {"metrics": F.metrics_html(run, ar_run), "throughput": F.throughput_figure(run, ar_run),
+            "badge": F.badge_html(run.comparison, sampled=bool(run.config.get("sampling", {}).get("temperature"))),
+            "costs": cost_figure(run, ar_run)}
+
+
+def inspector_views(run: RunResult | None, index: int | None, node: Any) -> dict[str, Any]:
+    shown, summary, figure = inspect(run, index, node)
+    return {"node": shown, "inspector": summary, "inspector_plot": figure}
+
+
+def streamed_views(run: RunResult, frame: dict) -> dict[str, Any]:
     """The cheap part of the views for a live update: the newest tree, the text so far, the metrics row."""
     it = run.iterations[-1]
-    return (F.tree_figure(it, frame=frame), F.tokens_html(run, selected=it.index),
-            F.metrics_html(run, None, len(run.iterations) - 1))
+    return {"tree": F.tree_figure(it, frame=frame), "text": F.tokens_html(run, selected=it.index),
+            "metrics": F.metrics_html(run, None)}
 
 
 def run_summary(run: RunResult) -> str:
@@ -67,8 +97,8 @@ def run_summary(run: RunResult) -> str:
 def save_trace(run: RunResult) -> str:
     directory = Path(tempfile.gettempdir()) / "treeviz-traces"
     directory.mkdir(exist_ok=True)
-    path = directory / f"treeviz-{run.strategy}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{id(run)}.json"
-    run.save(path)
+    path = directory / f"treeviz-{run.strategy}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.time_ns()}.json"
+    run.save(path, compact=True)
     return str(path)
 
 
