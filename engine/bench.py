@@ -40,6 +40,12 @@ def hf_assisted(pair: ModelPair, prompt, max_new_tokens: int, stop_on_eos: bool 
     return {"output_ids": output_ids, "new_tokens": len(output_ids), "total_s": seconds}
 
 
+def split_method(method: str, preset: str = "cpu") -> tuple[str, str]:
+    """"dynatree@auto" -> ("dynatree", "auto"): one bench run may compare presets of a strategy, interleaved."""
+    name, _, own = method.partition("@")
+    return name, own or preset
+
+
 def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset: str = "cpu",
                params: dict | None = None, sampling: Sampling | None = None,
                verifier: str | None = None) -> dict[str, Any]:
@@ -48,6 +54,7 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
         if not sampling.greedy:
             raise ValueError("the hf-assisted baseline is benchmarked greedily only; drop it or use --temperature 0")
         return hf_assisted(pair, prompt, max_new_tokens)
+    method, preset = split_method(method, preset)
     strategy = make_strategy(method, preset, **(params or {}).get(method, {}))
     # verifier: a rule's name, or a Verifier instance (scripts/rules_bench.py wraps rules to record acceptance)
     rule = None if not verifier or method == "ar" else (
@@ -84,7 +91,7 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
                     out["exact"] = out["output_ids"] == reference
                     per_method[method].append(out)
                 exact = f"  exact={out['exact']}" if sampling.greedy else ""
-                log(f"  {set_name:5s} {entry['name'][:28]:28s} {method:11s} "
+                log(f"  {set_name:5s} {entry['name'][:28]:28s} {method:14s} "
                     f"{out['new_tokens'] / out['total_s']:6.2f} tok/s{exact}")
         ar_tps = throughput(per_method["ar"])
         ar_gbps = ar_bandwidth(pair, per_method["ar"])
@@ -143,7 +150,7 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = (f"{'set':6s} {'method':12s} {'tok/s':>7s} {'speedup':>8s} {'AR GB/s':>8s} {'L̄':>6s} {'ℓ̄':>6s} "
+    head = (f"{'set':6s} {'method':14s} {'tok/s':>7s} {'speedup':>8s} {'AR GB/s':>8s} {'L̄':>6s} {'ℓ̄':>6s} "
             f"{'accept':>7s} {'#iter':>6s} {'TTFT s':>7s} {'TPOT s':>7s} {'exact':>6s}")
     lines = [head, "-" * len(head)]
 
@@ -152,7 +159,7 @@ def format_table(report: dict[str, Any]) -> str:
 
     for r in report["rows"]:
         lines.append(
-            f"{r['prompt_set']:6s} {r['method']:12s} {r['tokens_per_s']:7.2f} {r['speedup']:7.2f}× "
+            f"{r['prompt_set']:6s} {r['method']:14s} {r['tokens_per_s']:7.2f} {r['speedup']:7.2f}× "
             f"{fmt(r.get('ar_gbps'), '8.1f')} {fmt(r.get('mean_tokens_per_iter'), '6.2f')} {fmt(r.get('mean_accepted_len'), '6.2f')} "
             f"{fmt(r.get('acceptance_rate'), '7.2f')} {fmt(r.get('iterations'), '6.1f')} "
             f"{fmt(r.get('ttft_s'), '7.3f')} {fmt(r.get('tpot_s'), '7.3f')} {fmt(r['exact_match_rate'], '6.2f')}")

@@ -181,12 +181,16 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from engine.bench import bench, format_table
+    from engine.bench import bench, format_table, split_method
     methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
-    for m in methods:
-        if m != "hf-assisted" and m not in STRATEGIES:
-            raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, hf-assisted")
-    params = {m: _strategy_params(args, m, strict=False) for m in methods if m in STRATEGIES}
+    names = {m: split_method(m, args.preset) for m in methods}
+    for m, (name, preset) in names.items():
+        if m != "hf-assisted" and name not in STRATEGIES:
+            raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, hf-assisted "
+                                f"(a strategy may name its preset: dynatree@auto)")
+        if name in STRATEGIES and preset not in STRATEGIES[name].preset_names():
+            raise StrategyError(f"{name} has no preset {preset!r}; choose from {STRATEGIES[name].preset_names()}")
+    params = {name: _strategy_params(args, name, strict=False) for name, _ in names.values() if name in STRATEGIES}
     pair = _load(args)
     report = bench(pair, methods, args.prompt_set, args.max_new_tokens, args.repeats, args.limit, args.preset,
                    params, log=lambda s: print(s, file=sys.stderr, flush=True), sampling=_sampling(args),
@@ -231,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="all methods on a prompt set, AR in the same process, paper-style table")
     _add_model_args(b)
     b.add_argument("--strategies", default="ar,linear,fixed,dynatree,hf-assisted",
-                   help="comma list of strategies and/or hf-assisted")
+                   help="comma list of strategies and/or hf-assisted; strategy@preset picks one strategy's "
+                        "preset (e.g. dynatree,dynatree@auto compares them on the same prompts)")
     b.add_argument("--prompt-set", default="all", help="code | chat | prose | all")
     b.add_argument("--max-new-tokens", type=int, default=96)
     b.add_argument("--repeats", type=int, default=1)

@@ -2,7 +2,9 @@
 import json
 from pathlib import Path
 
+from engine.bench import run_method
 from engine.cli import main, strategy_docs
+from engine.strategies import STRATEGIES
 
 
 def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
@@ -17,7 +19,7 @@ def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
         assert key in data["metrics"], key
     assert data["exact_match"] is True
     assert data["iterations"] and data["iterations"][0]["nodes"][0]["status"] == "root"
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
 
 
 def test_bench_prints_table_and_json(tmp_path, capsys):
@@ -95,3 +97,19 @@ def test_bench_with_cheap_draft_and_auto_preset(tmp_path, capsys, monkeypatch):
     report = json.loads(out.read_text())
     assert report["config"]["draft_vocab"] == 128 and report["config"]["draft_quant"] == "int4"
     assert all(r["ar_gbps"] > 0 for r in report["rows"]) and report["config"]["preset"] == "auto"
+
+
+def test_bench_compares_presets_of_one_strategy(tmp_path, monkeypatch, capsys, related_pair):
+    """strategy@preset rows run on the same prompts as the others; an unknown preset is refused before loading."""
+    monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--strategies", "ar,linear,linear@paper",
+                 "--prompt-set", "code", "--limit", "1", "--max-new-tokens", "12", "--json", str(out)])
+    assert code == 0
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["ar", "linear", "linear@paper"]
+    paper, cpu = (STRATEGIES["linear"].preset_values(p)["k"] for p in ("paper", "cpu"))
+    assert paper != cpu  # otherwise this test could not tell the presets apart
+    assert run_method(related_pair, "linear@paper", "def f(x):", 4)["result"].params["k"] == paper
+    assert run_method(related_pair, "linear", "def f(x):", 4, preset="cpu")["result"].params["k"] == cpu
+    assert main(["bench", "--pair", "tiny-random", "--strategies", "ar,linear@fast"]) != 0
+    assert "linear has no preset 'fast'" in capsys.readouterr().err
