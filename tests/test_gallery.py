@@ -8,7 +8,7 @@ import pytest
 
 from engine.trace import SCHEMA_VERSION, load_run
 from treeviz import make_gallery
-from treeviz.replay import TRACE_DIR, gallery_label, gallery_traces
+from treeviz.replay import TRACE_DIR, gallery_label, gallery_rank, gallery_traces
 from treeviz.views import RUN_OUTPUTS, render_views
 
 MAX_FILE_KB = 450      # make_gallery's default bound on each file
@@ -29,6 +29,24 @@ def test_make_gallery_writes_bounded_traces_with_ar_beside_them(tmp_path, capsys
         assert run.strategy == "dynatree" and run.iterations[0].nodes[0].next_p
     assert load_run(tmp_path / "tiny-random_code_dynatree_paper.json").params["budget"] == 256  # the paper preset
     assert "gallery:" in capsys.readouterr().out
+
+
+def test_gallery_order_real_then_equal_to_ar_then_speedup():
+    real_fast_diverged = {"tiny": False, "speedup": 1.5, "diverged": True}
+    real_equal = {"tiny": False, "speedup": 1.4, "diverged": False}
+    tiny = {"tiny": True, "speedup": 3.0, "diverged": False}
+    ranked = sorted([tiny, real_fast_diverged, real_equal], key=gallery_rank)
+    assert ranked == [real_equal, real_fast_diverged, tiny]
+
+
+def test_a_whole_plan_replaces_the_pairs_gallery(tmp_path):
+    """Traces of the same pair that a full run did not rewrite go; other pairs' traces stay."""
+    entry = make_gallery.Entry("code", "dynatree", "cpu")
+    for name in ("tiny-random_code_salf_cpu.json", f"tiny-random_{entry.stem}.json", "default_code_salf_cpu.json"):
+        (tmp_path / name).write_text("{}")
+    make_gallery.remove_stale(tmp_path, "tiny-random", [entry])
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["default_code_salf_cpu.json",
+                                                              f"tiny-random_{entry.stem}.json"]
 
 
 def test_the_committed_gallery_is_real_small_and_replays():
@@ -59,6 +77,7 @@ def test_the_gallery_opens_on_a_real_speedup():
     run = load_run(first)
     assert not run.config["target"].startswith("tiny")
     assert run.comparison["speedup_vs_ar"] > 1.0, gallery_label(first)
+    assert run.comparison["exact_match"], "the first view is a greedy run that equals AR, not a bf16 near-tie caveat"
     assert f"{run.comparison['speedup_vs_ar']:.2f}×" in gallery_label(first)
 
 

@@ -107,7 +107,19 @@ def main(argv=None) -> None:
         tokens = round(args.max_new_tokens * best.tokens)
         result, text = bounded_run(backend, args.pair, prompts["code"], best, tokens, args.max_kb * 1024)
         total += write(out, args.pair, best, result, text)
+    if not keep:
+        remove_stale(out, args.pair, plan + ([best] if code_speedups else []))
     print(f"gallery: {total / 1024 / 1024:.2f} MB in {out}")
+
+
+def remove_stale(out: Path, pair: str, written: list[Entry]) -> None:
+    """A whole plan replaces the pair's gallery: traces of an earlier run that this one did not rewrite (e.g. the
+    cpu preset of another strategy) would otherwise stay, with numbers from another time."""
+    fresh = {f"{pair.replace('/', '-')}_{entry.stem}.json" for entry in written}
+    for path in out.glob(f"{pair.replace('/', '-')}_*.json"):
+        if path.name not in fresh:
+            path.unlink()
+            print(f"removed {path.name} (not part of this run)")
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ MAX_TRACE_MB = 20  # a 512-token run with 256-node trees is ~15 MB; anything lar
 
 
 def gallery_traces() -> list[Path]:
-    """Gallery files, best first: real models before tiny random ones, then by the speedup recorded with each."""
+    """Gallery files, best first: real models before tiny random ones, greedy runs that equal AR before those a bf16
+    near-tie made diverge (the first view should not open on a caveat), then by the speedup recorded with each."""
     paths = sorted(TRACE_DIR.glob("*.json")) if TRACE_DIR.exists() else []
     return sorted(paths, key=lambda p: gallery_rank(_summary(p)) + (p.stem,))
 
 
 def gallery_rank(summary: dict) -> tuple:
-    return (summary["tiny"], -(summary["speedup"] or 0.0))
+    return (summary["tiny"], summary.get("diverged", False), -(summary["speedup"] or 0.0))
 
 
 def _summary(path: Path) -> dict:
@@ -32,9 +33,11 @@ def _summary(path: Path) -> dict:
             data = json.loads(path.read_text())
             config, comparison = data.get("config") or {}, data.get("comparison") or {}
             target = str(config.get("target") or "?")
+            temperature = (config.get("sampling") or {}).get("temperature") or 0
             _SUMMARIES[key] = {"tiny": target.startswith("tiny"), "speedup": comparison.get("speedup_vs_ar"),
-                               "strategy": data.get("strategy"), "target": target,
-                               "temperature": (config.get("sampling") or {}).get("temperature") or 0}
+                               "strategy": data.get("strategy"), "target": target, "temperature": temperature,
+                               # a sampled run is not expected to equal AR's output; a greedy one is
+                               "diverged": temperature == 0 and comparison.get("exact_match") is False}
         except (OSError, ValueError, AttributeError):
             _SUMMARIES[key] = {"tiny": True, "speedup": None, "strategy": None, "target": "?", "temperature": 0}
     return _SUMMARIES[key]
