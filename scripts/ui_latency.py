@@ -16,9 +16,11 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any folder
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
