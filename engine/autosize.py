@@ -5,7 +5,9 @@ iteration the sizer asks, for each smaller size m, what that iteration would hav
 its first m nodes (node ids are creation order, and a node's parent is always older, so the first m nodes form a
 tree): committed tokens = the accepted path's nodes among them + the bonus; seconds = the draft forwards those
 nodes needed (one per depth level, rows = the parents expanded there) + verifying m + 1 rows, from the measured
-cost table (engine/costs.py), + the iteration's measured overhead outside both. Over a window of recent
+cost table (engine/costs.py), scaled by how far the window's measured draft and verify times are from the table's
+predictions (the machine's speed drifts between hours; the table gives the shape, the run the scale), + the
+iteration's measured overhead outside both. Over a window of recent
 iterations the size m* with the highest predicted tokens/s wins, and the next tree gets room to grow past it:
 size = ceil(GROWTH · m*). When the whole tree was best the size grows; when a prefix was, it shrinks toward it.
 So trees settle where one more node costs more (in this machine's t(n) and c) than it is expected to return.
@@ -17,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.costs import PairCosts
+from engine.metrics import cost_ratios
 from engine.trace import BONUS, IterationRecord
 
 WINDOW = 12  # iterations of evidence; long enough to average acceptance, short enough to follow the text
@@ -44,8 +47,10 @@ def sample_of(record: IterationRecord) -> Sample:
                   rows[0] if rows else 1, rows, overhead)
 
 
-def truncated(sample: Sample, m: int, costs: PairCosts) -> tuple[int, float]:
-    """(committed tokens, predicted seconds) had the tree kept only its first m drafted nodes."""
+def truncated(sample: Sample, m: int, costs: PairCosts, scale: tuple[float, float] = (1.0, 1.0)
+              ) -> tuple[int, float]:
+    """(committed tokens, predicted seconds) had the tree kept only its first m drafted nodes; `scale` multiplies the
+    table's draft and verify seconds (measured ÷ predicted, from the run)."""
     drafted = len(sample.parents) - 1
     accepted = 0
     for node in sample.accepted:
@@ -60,7 +65,8 @@ def truncated(sample: Sample, m: int, costs: PairCosts) -> tuple[int, float]:
             parent = sample.parents[node]
             levels.setdefault(sample.depths[parent], set()).add(parent)
         rows = [sample.first_rows if depth == 0 else len(parents) for depth, parents in sorted(levels.items())]
-    seconds = costs.predict(rows, min(m, drafted) + 1)["total_s"] + sample.overhead_s
+    predicted = costs.predict(rows, min(m, drafted) + 1)
+    seconds = predicted["draft_s"] * scale[0] + predicted["verify_s"] * scale[1] + sample.overhead_s
     return accepted + 1, seconds
 
 
@@ -73,16 +79,23 @@ class AutoSizer:
         spec = next(p for p in strategy.params if p.name == self.param)
         self.lo, self.hi = int(max(spec.minimum or 1, 1)), int(spec.maximum or 1024)
         self.samples: deque[Sample] = deque(maxlen=window)
+        self.cost_records: deque[dict] = deque(maxlen=window)  # the window's predicted and measured seconds
         self.last: dict = {}
+
+    def scale(self) -> tuple[float, float]:
+        """Measured ÷ predicted draft and verify seconds over the window (1.0 until there is evidence)."""
+        ratios = cost_ratios(list(self.cost_records))
+        return ratios.get("draft", 1.0), ratios.get("verify", 1.0)
 
     def predicted_rates(self) -> dict[int, float]:
         """Predicted tokens/s of every size m up to the largest tree observed, over the window."""
         largest = max(len(s.parents) - 1 for s in self.samples)
+        scale = self.scale()
         rates = {}
         for m in range(1, max(largest, 1) + 1):
             tokens = seconds = 0.0
             for sample in self.samples:
-                t, s = truncated(sample, m, self.costs)
+                t, s = truncated(sample, m, self.costs, scale)
                 tokens, seconds = tokens + t, seconds + s
             rates[m] = tokens / seconds
         return rates
@@ -90,10 +103,13 @@ class AutoSizer:
     def observe(self, record: IterationRecord) -> int:
         """Learn from a finished iteration and set the knob for the next; returns the new value."""
         self.samples.append(sample_of(record))
+        cost = record.extra.get("cost")
+        if record.index > 0 and isinstance(cost, dict):  # the first iteration's draft forward also reads the prompt
+            self.cost_records.append(cost)
         rates = self.predicted_rates()
         best = max(rates, key=lambda m: (rates[m], -m))  # ties: the smaller tree
         value = min(max(math.ceil(GROWTH * best), self.lo), self.hi)
         self.strategy.config[self.param] = value
         self.last = {"param": self.param, "best_size": best, "next": value,
-                     "predicted_tokens_per_s": rates[best]}
+                     "predicted_tokens_per_s": rates[best], "table_scale": list(self.scale())}
         return value

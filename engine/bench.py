@@ -13,7 +13,7 @@ import torch
 
 from engine.decoder import Decoder, encode_prompt
 from engine.drafter import synchronize
-from engine.metrics import compare_outputs
+from engine.metrics import DRIFT_TOLERANCE, compare_outputs, cost_drift, drift_off
 from engine.models import ModelPair
 from engine.prompts import load_prompt_set
 from engine.sampling import Sampling
@@ -145,6 +145,7 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
             "tpot_s": sum(r.metrics["tpot_s"] or 0.0 for r in results) / len(results),
             "stage_s": {s: sum(r.metrics["stage_s"][s] for r in results) / len(results)
                         for s in results[0].metrics["stage_s"]},
+            "cost_drift": cost_drift(iters),
         })
     return row
 
@@ -172,6 +173,11 @@ def format_table(report: dict[str, Any]) -> str:
             line += (f"; streaming-read bandwidth {costs['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
                      f"(AR GB/s = target weight bytes per step / AR's TPOT)")
         lines += ["", line]
+    off = [f"{r['prompt_set']} {r['method']}: {drift_off(r['cost_drift'])}" for r in report["rows"]
+           if drift_off(r.get("cost_drift") or {})]
+    if off:
+        lines += [f"measured ÷ predicted times beyond ×{DRIFT_TOLERANCE} (the machine's speed changed since the cost "
+                  f"table was measured; `python -m engine costs --recalibrate`): " + "; ".join(off)]
     return "\n".join(lines)
 
 

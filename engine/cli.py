@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from engine.metrics import drift_warning
 from engine.sampling import Sampling
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
 from engine.verify import make_verifier
@@ -24,8 +25,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto = when memory allows")
     p.add_argument("--draft-vocab", default="full",
                    help="N | full: the draft scores only the N most frequent tokens (assets/vocab); default full")
-    p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4"),
-                   help="weight-only quantised path for the draft's linears (CPU), used where measured faster")
+    p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4", "auto"),
+                   help="weight-only quantised path for the draft's linears (CPU), used where measured faster; "
+                        "auto = both int8 and int4, the router picks per row count (the app's default)")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the forward-cost table again instead of reading it from the cache")
     p.add_argument("--preset", default="cpu",
@@ -169,6 +171,9 @@ def cmd_generate(args) -> int:
         if not c["exact_match"]:
             summary += f" (first divergence at token {c['first_divergence']}, AR top-2 margin " \
                        f"{c.get('reference_margin')})"
+    warning = drift_warning(m.get("cost_drift") or {})
+    if warning:
+        summary += f"\nnote: {warning}"
     print(summary, file=sys.stderr)
     if args.json:
         data = result.to_dict()

@@ -300,8 +300,11 @@ class Decoder:
         # what the node inspector shows: the top of p and q after every node the target or the draft expanded
         next_p = _top_k(tok, probs)
         drafted = [p for p in parents if p in tree.child_dist]  # nodes whose children the draft drew
-        q_rows = torch.stack([tree.child_dist[p] for p in drafted]).float() if drafted else probs[:0]
-        next_q = dict(zip(drafted, _top_k(tok, q_rows)))
+        # one row per distinct q tensor: DDTree's nodes of one depth share their depth's q
+        shared = {id(tree.child_dist[p]): tree.child_dist[p] for p in drafted}
+        q_rows = torch.stack(list(shared.values())).float() if shared else probs[:0]
+        top_q = dict(zip(shared, _top_k(tok, q_rows)))
+        next_q = {p: top_q[id(tree.child_dist[p])] for p in drafted}
 
         def target_prob(parent: int, token: int) -> float:
             return float(probs[row_of[parent], token])

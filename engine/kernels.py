@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PATHS = ("plain", "packed", "int8", "int4")
-QUANT_MODES = ("none", "int8", "int4")
+QUANT_MODES = ("none", "int8", "int4", "auto")  # auto: both quantised paths, where the device has the kernels
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MODES = ("auto", "on", "off")
 _BATCH_HINT = 16  # oneDNN picks the blocked layout for this row count; every row count still works
@@ -210,20 +210,22 @@ def pack_linears(model: nn.Module, compute_dtype: torch.dtype | None = None) -> 
 
 
 def quantize_linears(model: nn.Module, mode: str) -> int:
-    """Give every linear of `model` the int8 or int4 path (mode "none": nothing); returns how many got it.
+    """Give every linear of `model` the int8 or int4 path, or both for "auto" (CPU only; elsewhere "auto" adds
+    nothing); mode "none": nothing. Returns how many paths were added.
 
-    The quantised path is only a candidate: the router sends a row count to it where it measured fastest."""
+    A quantised path is only a candidate: the router sends a row count to it where it measured fastest."""
     mode = check_quant_mode(mode)
-    if mode == "none":
+    device = next(model.parameters()).device.type
+    if mode == "none" or (mode == "auto" and device != "cpu"):
         return 0
-    if next(model.parameters()).device.type != "cpu":
-        raise PackingError(f"{mode} draft weights use torch's CPU kernels; they are not available on "
-                           f"{next(model.parameters()).device.type}")
+    if device != "cpu":
+        raise PackingError(f"{mode} draft weights use torch's CPU kernels; they are not available on {device}")
+    modes = ["int8", "int4"] if mode == "auto" else [mode]
     router = route_linears(model)
     done = 0
     for layer in routed_linears(model):
-        done += layer.add_int8() if mode == "int8" else layer.add_int4()
-    router.paths = _union(router.paths, [mode])
+        done += sum(layer.add_int8() if m == "int8" else layer.add_int4() for m in modes)
+    router.paths = _union(router.paths, modes)
     return done
 
 

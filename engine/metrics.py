@@ -6,6 +6,10 @@ from typing import Any
 from engine.trace import ACCEPTED, REJECTED, IterationRecord, RunResult
 
 STAGES = ("draft", "build", "verify", "commit", "other")
+# Measured/predicted beyond x1.3 or /1.3 (a tolerance, not a machine constant): the cost table no longer describes the
+# machine. Run-to-run noise on a quiet machine stays within ~10 %.
+DRIFT_TOLERANCE = 1.3
+DRIFT_MIN_ITERATIONS = 4
 
 
 def run_metrics(iterations: list[IterationRecord], new_tokens: int, total_s: float, ttft_s: float) -> dict[str, Any]:
@@ -29,7 +33,47 @@ def run_metrics(iterations: list[IterationRecord], new_tokens: int, total_s: flo
         "mean_drafted": drafted / n if n else None,
         "mean_draft_forwards": sum(it.draft_forwards for it in iterations) / n if n else None,
         "stage_s": {s: sum(it.times.get(s, 0.0) for it in iterations) for s in STAGES},
+        "cost_drift": cost_drift(iterations),
     }
+
+
+def cost_ratios(costs: list[dict]) -> dict[str, float]:
+    """Measured ÷ predicted seconds of the draft and of the verification, summed over cost records (the decoder's
+    per-iteration `extra["cost"]`); a stage nothing was predicted for is left out."""
+    out: dict[str, float] = {}
+    for stage in ("draft", "verify"):
+        predicted = sum(c[f"predicted_{stage}_s"] for c in costs)
+        if predicted > 0:
+            out[stage] = sum(c[f"measured_{stage}_s"] for c in costs) / predicted
+    return out
+
+
+def cost_drift(iterations: list[IterationRecord]) -> dict[str, float]:
+    """How far a run's measured times are from the cost table's predictions: {"draft": ratio, "verify": ratio,
+    "iterations": n}, 1.0 meaning the table describes the machine as it runs now ({} without cost records). The first
+    iteration, whose draft forward also reads the prompt, is left out. A table measured in another hour can be off by
+    a near-uniform factor: the VMs this runs on drift 15-50 % between hours, a GPU's host-bound steps up to 2×."""
+    costs = [it.extra["cost"] for it in iterations if it.index > 0 and isinstance(it.extra.get("cost"), dict)]
+    return {**cost_ratios(costs), "iterations": len(costs)} if costs else {}
+
+
+def drift_off(drift: dict[str, float]) -> str:
+    """The stages off the table beyond DRIFT_TOLERANCE, e.g. "draft 1.45×, verify 1.32×" ("": none, or too few
+    iterations to say)."""
+    if drift.get("iterations", 0) < DRIFT_MIN_ITERATIONS:
+        return ""
+    return ", ".join(f"{stage} {ratio:.2f}×" for stage, ratio in drift.items()
+                     if stage != "iterations" and not 1 / DRIFT_TOLERANCE <= ratio <= DRIFT_TOLERANCE)
+
+
+def drift_warning(drift: dict[str, float]) -> str | None:
+    """A sentence for the user when a run's times are off the cost table by more than DRIFT_TOLERANCE."""
+    ratios = drift_off(drift)
+    if not ratios:
+        return None
+    return (f"measured times are {ratios} the cost table's: the machine's speed has changed since the table was "
+            "measured (python -m engine costs --recalibrate measures it again). auto presets correct for this as "
+            "they run, and speedups stay valid because AR runs on the same machine.")
 
 
 def compare_outputs(run: RunResult, reference: RunResult) -> dict[str, Any]:

@@ -2,11 +2,16 @@
 
     python scripts/device_costs.py --device cuda                  # Qwen2.5 1.5B/0.5B and Pythia 2.8B/70M pairs
     python scripts/device_costs.py --device cpu --pairs pythia --dtype fp32
+    python scripts/device_costs.py --device cuda --breakdown      # also: where a 1-row step's time goes
+    python scripts/device_costs.py --device cuda --graphs         # also: a 1-row step from a CUDA graph
 
 Models are randomly initialised from hand-written configs of the published shapes (forward cost depends on the
 shapes, not on the weights), measured with engine.costs.measure (the calibration the engine runs at load: a
 300-token prefix, rows 1..64, synchronised on CUDA), and reported as c = draft step / target step and
-t(n) = verify n rows / target step.
+t(n) = verify n rows / target step. `--breakdown` profiles one single-row step of each model on CUDA: its wall
+time against the time the GPU spent in kernels and the number of kernels launched. Wall far above kernel time means
+the step is bound by the host (Python and kernel launches), not by the GPU: a draft step then costs nearly as much as
+a target step however small the draft, and verifying many rows costs little more than one.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config, Qwen2Fo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.costs import LADDER, ModelCosts, PairCosts, measure  # noqa: E402
+from engine import kv  # noqa: E402
+from engine.costs import LADDER, PREFIX, ModelCosts, PairCosts, _timed_forward, measure  # noqa: E402
 
 QWEN = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
             attn_implementation="sdpa")
@@ -50,11 +56,76 @@ def build(name: str, dtype: torch.dtype, device: torch.device):
     return model
 
 
+def breakdown(model, repeats: int = 5) -> tuple[float, float, int]:
+    """Single-row step after a PREFIX-token cache: (wall ms, GPU kernel ms, kernels launched), medians of `repeats`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = next(model.parameters()).device
+    ids = (torch.arange(PREFIX + 1, device=device) * 7919) % (model.config.vocab_size - 512)
+    cache = kv.new_cache(model)
+    rows = []
+    with torch.inference_mode():
+        model(input_ids=ids[None, :PREFIX], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        _timed_forward(model, None, "plain", ids, PREFIX, 1, cache)  # warm-up
+        for _ in range(repeats):
+            wall = _timed_forward(model, None, "plain", ids, PREFIX, 1, cache)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                _timed_forward(model, None, "plain", ids, PREFIX, 1, cache)
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            rows.append((wall * 1e3, sum(e.device_time for e in kernels) / 1e3, len(kernels)))
+    return tuple(sorted(r[i] for r in rows)[repeats // 2] for i in range(3))
+
+
+def graph_step(model, repeats: int = 20) -> tuple[float, float]:
+    """A single-row decode step on a static cache (transformers' StaticCache), eager and replayed from a CUDA graph
+    captured by hand (torch.cuda.graph; no torch.compile): (eager ms, graph ms), medians of `repeats`. How much of a
+    step's wall time is launch overhead a graph removes. Measurement only: the engine does not use graphs yet."""
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    # Room for every call below: some transformers versions advance the write position on each call of the same
+    # token instead of taking cache_position (a step past the end would fail with an index error on the device).
+    cache = StaticCache(config=model.config, max_cache_len=PREFIX + 4 * repeats + 16)
+    ids = (torch.arange(PREFIX + 1, device=device) * 7919) % (model.config.vocab_size - 512)
+    token, position = ids[None, PREFIX:PREFIX + 1].clone(), torch.tensor([PREFIX], device=device)
+
+    def step():
+        return model(input_ids=token, cache_position=position, past_key_values=cache, use_cache=True).logits
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[repeats // 2]
+
+    with torch.inference_mode():
+        model(input_ids=ids[None, :PREFIX], cache_position=torch.arange(PREFIX, device=device),
+              past_key_values=cache, use_cache=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph requires
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        eager = timed(step)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return eager, timed(graph.replay)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--pairs", default="qwen,pythia")
+    parser.add_argument("--breakdown", action="store_true", help="profile a 1-row step of each model (CUDA)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="time a 1-row static-cache step eager and from a hand-captured CUDA graph (CUDA)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -67,6 +138,16 @@ def main() -> int:
             model = build(name, dtype, device)
             tables[role] = ModelCosts(name, measure(model, ["plain"]))
             print(f"  measured {name} in {time.perf_counter() - start:.1f} s")
+            if args.breakdown and device.type == "cuda":
+                wall, gpu, launched = breakdown(model)
+                print(f"  {name} 1-row step: wall {wall:.2f} ms, GPU kernels {gpu:.2f} ms "
+                      f"({100 * gpu / wall:.0f} % busy), {launched} kernels")
+            if args.graphs and device.type == "cuda":
+                try:
+                    eager, graphed = graph_step(model)
+                    print(f"  {name} 1-row static-cache step: eager {eager:.2f} ms, CUDA graph {graphed:.2f} ms")
+                except Exception as err:  # noqa: BLE001 - a capture the model's code does not allow is a result too
+                    print(f"  {name}: CUDA graph capture failed: {type(err).__name__}: {str(err)[:300]}")
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -72,20 +72,28 @@ class Cover(Strategy):
 
 def compact(tree, p_rows: torch.Tensor, top: int = TOP) -> tuple[dict, dict, list[int]]:
     """Each expanded node's p and q on a short support: the `top` most likely tokens of each, the node's children,
-    and one bucket holding the rest of both distributions (float64). The formulas then run on ~2 * top entries
-    instead of the full vocabulary; lumping the tail can only raise the overlap min(p, q), by at most the tail's
-    mass. Returns p, q per node and each node's token as an index into its parent's support."""
+    and three buckets for the rest of the vocabulary (float64): one both p and q hold with the tail's true overlap
+    sum(min(p, q)), one with the rest of p's tail, one with the rest of q's. The formulas then run on ~2 * top
+    entries instead of the full vocabulary, and the first rejection step (sum of min(p, q), the residual's mass) is
+    exact; later residual steps can only under-count the tail's overlap. (One lumped bucket instead would have
+    counted min(p_tail, q_tail) as overlap: an overestimate of up to the tail's mass at every step.) Returns p, q
+    per node and each node's token as an index into its parent's support."""
     p, q, tokens = {}, {}, [0] * len(tree)
     nodes = [n for n in tree.child_dist if tree.children[n]]
     p_all, q_all = p_rows[nodes], torch.stack([tree.child_dist[n] for n in nodes])
     tops = torch.cat([p_all.topk(top, dim=-1).indices, q_all.topk(top, dim=-1).indices], dim=-1)  # one topk each
+    overlap = torch.minimum(p_all, q_all).double().sum(-1)  # over the whole vocabulary
     for i, node in enumerate(nodes):
         children = torch.tensor([tree.tokens[c] for c in tree.children[node]])
         support = torch.unique(torch.cat([tops[i], children]))
         where = {int(t): j for j, t in enumerate(support.tolist())}
         ps, qs = p_all[i, support].double(), q_all[i, support].double()
-        p[node] = torch.cat([ps, (1 - ps.sum()).clamp(min=0)[None]])
-        q[node] = torch.cat([qs, (1 - qs.sum()).clamp(min=0)[None]])
+        p_tail, q_tail = (1 - ps.sum()).clamp(min=0), (1 - qs.sum()).clamp(min=0)
+        shared = (overlap[i] - torch.minimum(ps, qs).sum()).clamp(min=0)
+        shared = torch.minimum(shared, torch.minimum(p_tail, q_tail))
+        zero = torch.zeros((), dtype=torch.float64)
+        p[node] = torch.cat([ps, torch.stack([shared, p_tail - shared, zero])])
+        q[node] = torch.cat([qs, torch.stack([shared, zero, q_tail - shared])])
         for child in tree.children[node]:
             tokens[child] = where[tree.tokens[child]]
     return p, q, tokens

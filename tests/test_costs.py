@@ -7,10 +7,12 @@ import torch
 
 from engine import costs as costs_mod
 from engine.costs import LADDER, ModelCosts, PairCosts, interpolate, model_costs
+from engine.autosize import WINDOW, AutoSizer
 from engine.decoder import Decoder
 from engine.kernels import router_of
 from engine.models import load_pair, tiny_random_pair
 from engine.strategies import STRATEGIES, make_strategy
+from engine.trace import IterationRecord
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +122,11 @@ def test_records_carry_predicted_and_measured_cost():
     json.dumps(result.to_dict())
 
 
-def run_auto(name, costs, tokens=60):
+def run_auto(name, costs, tokens=60, monkeypatch=None):
+    """With `monkeypatch`, the sizer trusts the table as given: the synthetic tables are 10-500× the tiny models' real
+    times, and these tests check the sizing against the table alone (the run-time scale has its own tests)."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(AutoSizer, "scale", lambda self: (1.0, 1.0))
     pair = tiny_random_pair("identical", seed=0)  # every drafted token is accepted: size pays until cost says no
     pair.costs = costs
     strategy = make_strategy(name, "auto", stop_below=0.0)  # chains as long as k: only the sizer decides
@@ -128,17 +134,17 @@ def run_auto(name, costs, tokens=60):
     return strategy, result
 
 
-def test_auto_grows_the_tree_when_verification_is_flat():
-    strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05))
+def test_auto_grows_the_tree_when_verification_is_flat(monkeypatch):
+    strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05), monkeypatch=monkeypatch)
     ks = [it.params["k"] for it in result.iterations]
     assert ks[0] == STRATEGIES["linear"].presets["cpu"]["k"]
     assert ks == sorted(ks) and ks[-1] > ks[0]  # each chain longer than the last
 
 
-def test_auto_stops_where_verification_gets_expensive():
+def test_auto_stops_where_verification_gets_expensive(monkeypatch):
     # verifying up to 4 rows costs one step, 8 rows ten (5 rows 3.25 by interpolation): the best chain has 3
     # drafted tokens (+ the root)
-    strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05 if r <= 4 else 0.5))
+    strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05 if r <= 4 else 0.5), monkeypatch=monkeypatch)
     last = result.iterations[-1].extra["cost"]["auto"]
     assert last["best_size"] == 3 and strategy.config["k"] == 4  # 25 % headroom above the best
     assert result.iterations[-1].params["k"] == 4
@@ -167,3 +173,45 @@ def test_truncated_tree_counts_tokens_and_draft_levels():
     # first 3 nodes: 1, 2 (children of the root) and 3 (child of 1): levels root (3 rows) and [1] (1 row)
     assert truncated(sample, 3, costs) == (3, pytest.approx(0.3 + 0.1 + 4 + 0.5))
     assert truncated(sample, 1, costs) == (2, pytest.approx(0.3 + 2 + 0.5))
+
+
+def test_sizer_scales_the_table_by_the_windows_measured_times():
+    # the real path: the tiny models' measured seconds against a table 10-500× off, as after a large drift
+    strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05, draft=lambda r: 1e-4), tokens=40)
+    window = [it.extra["cost"] for it in result.iterations if it.index > 0][-WINDOW:]
+    draft = sum(c["measured_draft_s"] for c in window) / sum(c["predicted_draft_s"] for c in window)
+    verify = sum(c["measured_verify_s"] for c in window) / sum(c["predicted_verify_s"] for c in window)
+    assert result.iterations[-1].extra["cost"]["auto"]["table_scale"] == pytest.approx([draft, verify])
+    assert result.metrics["cost_drift"]["iterations"] == len(result.iterations) - 1
+
+
+def test_truncated_tree_applies_the_scale_to_draft_and_verify_apart():
+    from engine.autosize import Sample, truncated
+    sample = Sample(parents=[-1, 0, 0, 1, 1, 3], depths=[0, 1, 1, 2, 2, 3], accepted=[1, 3, 5], first_rows=3,
+                    draft_rows=[3, 2, 2, 1], overhead_s=0.5)
+    costs = synthetic_pair(lambda r: float(r), draft=lambda r: 0.1 * r)
+    assert truncated(sample, 5, costs, (2.0, 0.5)) == (4, pytest.approx(2.0 * 0.8 + 0.5 * 6 + 0.5))
+
+
+def cost_record(index, draft, verify):
+    it = IterationRecord(index=index, position=0, nodes=[], accepted_path=[0], bonus_token=0, bonus_text="",
+                         new_tokens=[0], drafted=0, accepted=0, draft_forwards=0, params={}, times={})
+    it.extra["cost"] = {"predicted_draft_s": 1.0, "measured_draft_s": draft,
+                        "predicted_verify_s": 2.0, "measured_verify_s": 2.0 * verify}
+    return it
+
+
+def test_drift_leaves_out_the_prompt_iteration_and_warns_beyond_tolerance():
+    from engine.metrics import DRIFT_MIN_ITERATIONS, cost_drift, drift_warning
+    steady = [cost_record(0, 9.0, 9.0)] + [cost_record(i, 1.1, 0.9) for i in range(1, 6)]
+    drift = cost_drift(steady)
+    assert drift == {"draft": pytest.approx(1.1), "verify": pytest.approx(0.9), "iterations": 5}
+    assert drift_warning(drift) is None
+    slow = [cost_record(i, 1.5, 1.0) for i in range(1, 6)]
+    text = drift_warning(cost_drift(slow))
+    assert "draft 1.50×" in text and "verify" not in text.split("the cost table")[0] and "--recalibrate" in text
+    fast = [cost_record(i, 1.0, 0.7) for i in range(1, 6)]
+    assert "verify 0.70×" in drift_warning(cost_drift(fast))
+    few = [cost_record(i, 3.0, 3.0) for i in range(1, DRIFT_MIN_ITERATIONS)]
+    assert drift_warning(cost_drift(few)) is None  # too little evidence
+    assert cost_drift([]) == {} and drift_warning({}) is None

@@ -36,7 +36,7 @@ def reference(cache):
 
 
 PROMPTS = ("def f(x):\n    return", "The cat sat on")
-OPTIONS = [dict(draft_vocab=96), dict(draft_quant="int8"), dict(draft_quant="int4"),
+OPTIONS = [dict(draft_vocab=96), dict(draft_quant="int8"), dict(draft_quant="int4"), dict(draft_quant="auto"),
            dict(draft_vocab=128, draft_quant="int4")]
 
 
@@ -48,6 +48,20 @@ def test_every_strategy_is_exact_with_a_cheap_draft(reference, options):
         for prompt in PROMPTS:
             result = Decoder(pair, make_strategy(name)).generate(prompt, max_new_tokens=40, stop_on_eos=False)
             assert result.output_ids == reference[prompt], (name, options, prompt)
+
+
+def test_auto_quant_offers_both_paths_to_the_router_on_cpu_only(cache):
+    from engine.kernels import quantize_linears, router_of
+    pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="on", draft_quant="auto")
+    assert pair.draft_quant == "auto"
+    assert set(router_of(pair.draft).paths) == {"plain", "packed", "int8", "int4"}
+    assert set(pair.costs.draft.seconds) == {"plain", "packed", "int8", "int4"}  # each measured, the router's pick
+    assert set(router_of(pair.target).paths) == {"plain", "packed"}  # the target is never quantised
+    with torch.device("meta"):  # a model off the CPU: auto adds nothing, an explicit mode is refused
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    assert quantize_linears(model, "auto") == 0
+    with pytest.raises(ValueError, match="CPU kernels"):
+        quantize_linears(model, "int4")
 
 
 def test_quantised_draft_routes_its_rows_to_int_paths_where_forced(reference):

@@ -117,7 +117,7 @@ def test_accepted_edges_thicker_and_outlined():
 
 
 def test_hover_escapes_html_and_shows_whitespace():
-    it = make_iteration(n=8, seed=2, texts=["<b>", " \n\t", "a&b"])
+    it = make_iteration(n=8, seed=2, texts=["<b>", " \n\t", "a&b", 'say "hi"'])
     fig = F.tree_figure(it)
     hovers = [h for t in node_traces(fig) for h in t.hovertext]
     labels = [x for t in node_traces(fig) for x in t.text]
@@ -126,6 +126,7 @@ def test_hover_escapes_html_and_shows_whitespace():
     assert any("␣⏎⇥" in h for h in hovers)
     assert any("a&amp;b" in h for h in hovers)
     assert "&lt;b&gt;" in labels and "<b>" not in labels
+    assert 'say␣"hi"' in labels  # plotly prints entities such as &quot; literally: quotes stay quotes
     h = next(h for h in hovers if "&lt;b&gt;" in h)
     for field in ("q (draft)", "cumulative q", "p (target)", "depth", "rank", "outcome"):
         assert field in h

@@ -246,3 +246,12 @@ def test_top_k_lists_each_rows_most_probable_tokens(related_pair):
         assert [e[1] for e in entries] == pytest.approx(values.tolist(), rel=1e-3)
         assert [e[2] for e in entries] == [tok.decode([i]) for i in ids.tolist()]
     assert _top_k(tok, probs[:0]) == []
+
+
+def test_cost_panel_title_says_how_far_the_run_is_from_the_table():
+    run = cost_run()  # measured: draft 1.2×, verify 1.25× the prediction (the first iteration left out)
+    title = cost_figure(run).layout.title.text
+    assert "draft 1.20×, verify 1.25×" in title and "beyond" not in title  # 2 iterations: too few to warn
+    run.metrics["cost_drift"] = {"draft": 1.6, "verify": 1.0, "iterations": 10}
+    title = cost_figure(run).layout.title.text
+    assert "draft 1.60×, verify 1.00×" in title and "beyond ×1.3" in title

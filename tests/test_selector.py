@@ -179,3 +179,43 @@ def test_selector_choices_do_not_touch_the_default_path(related_pair):
         assert not related_pair.target.base_model.norm._forward_hooks
         assert "selector" not in record.extra
     assert run.drafter.taps is None and not run.drafter.dists
+
+
+class _Tree:
+    """The parts of a DraftTree that selector_data.compact reads: one expanded root with three children."""
+
+    def __init__(self, q_root: torch.Tensor, children: list[int]):
+        self.tokens = [0, *children]
+        self.child_dist = {0: q_root}
+        self.children = {0: [1, 2, 3], 1: [], 2: [], 3: []}
+
+    def __len__(self):
+        return len(self.tokens)
+
+
+def test_compact_support_keeps_overlap_and_residual_mass_exact():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parent.parent / "scripts" / "selector_data.py"
+    spec = importlib.util.spec_from_file_location("selector_data_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    g = torch.Generator().manual_seed(0)
+    vocab = 2000  # flat enough that most of the mass lies outside the kept top 16
+    p_row = torch.softmax(torch.randn(vocab, generator=g), -1)
+    q_row = torch.softmax(torch.randn(vocab, generator=g), -1)
+    children = [int(q_row.argmax()), 7, 1999]
+    tree = _Tree(q_row, children)
+    p, q, tokens = script.compact(tree, torch.stack([p_row] * len(tree)), top=16)
+    full = torch.minimum(p_row, q_row).double().sum()
+    assert float(p[0].sum()) == pytest.approx(1.0) and float(q[0].sum()) == pytest.approx(1.0)
+    assert float(torch.minimum(p[0], q[0]).sum()) == pytest.approx(float(full), abs=1e-9)
+    assert float((p[0] - q[0]).clamp(min=0).sum()) == pytest.approx(float((p_row - q_row).clamp(min=0).sum()), abs=1e-6)
+    for node, token in zip((1, 2, 3), children):
+        assert float(p[0][tokens[node]]) == pytest.approx(float(p_row[token]))
+        # SpecInfer's chance to emit the first draw is the same on the short support as on the vocabulary
+        short = neural.branching("specinfer", p[0], q[0], [tokens[node]])[tokens[node]]
+        whole = neural.branching("specinfer", p_row, q_row, [token])[token]
+        assert short == pytest.approx(whole)
+    lumped = float(torch.minimum(p[0][:-3], q[0][:-3]).sum() + min(p[0][-3:].sum(), q[0][-3:].sum()))
+    assert lumped > float(full) + 0.05  # what one tail bucket would have claimed

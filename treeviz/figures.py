@@ -49,7 +49,8 @@ TOKEN_KIND_STYLE = {  # generated-text provenance
 
 # -- small helpers -------------------------------------------------------------------------------------------------
 def visible_token(text: str | None) -> str:
-    """A token's text with whitespace made visible, HTML-escaped (safe inside plotly text and HTML)."""
+    """A token's text with whitespace made visible, with <, > and & escaped (safe inside plotly text and HTML text;
+    quotes stay as they are, since plotly would print the entity &quot; literally)."""
     if text is None:
         return "∅"
     if text == "":
@@ -62,7 +63,7 @@ def visible_token(text: str | None) -> str:
             out.append(f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}")  # invisible: show its code
         else:
             out.append(ch)
-    return html.escape("".join(out), quote=True)
+    return html.escape("".join(out), quote=False)
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

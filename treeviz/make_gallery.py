@@ -69,8 +69,12 @@ def bounded_run(backend: Backend, pair: str, prompt, entry: Entry, tokens: int, 
         tokens = max(MIN_TOKENS, int(tokens * max_bytes / size * 0.9))
 
 
+def trace_name(pair: str, entry: Entry) -> str:
+    return f"{pair.replace('/', '-')}_{entry.stem}.json"
+
+
 def write(out: Path, pair: str, entry: Entry, result, text: str) -> int:
-    path = out / f"{pair.replace('/', '-')}_{entry.stem}.json"
+    path = out / trace_name(pair, entry)
     path.write_text(text)
     m, speedup = result.metrics, (result.comparison or {}).get("speedup_vs_ar")
     print(f"{path.name}: {len(text.encode()) / 1024:.0f} KB, {m['new_tokens']} tokens, {m['iterations']} iterations, "
@@ -115,7 +119,7 @@ def main(argv=None) -> None:
 def remove_stale(out: Path, pair: str, written: list[Entry]) -> None:
     """A whole plan replaces the pair's gallery: traces of an earlier run that this one did not rewrite (e.g. the
     cpu preset of another strategy) would otherwise stay, with numbers from another time."""
-    fresh = {f"{pair.replace('/', '-')}_{entry.stem}.json" for entry in written}
+    fresh = {trace_name(pair, entry) for entry in written}
     for path in out.glob(f"{pair.replace('/', '-')}_*.json"):
         if path.name not in fresh:
             path.unlink()

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.metrics import calibration
+from engine.metrics import DRIFT_TOLERANCE, calibration, cost_drift, drift_off
 from engine.trace import RunResult
 
 SERIES_COLORS = ("#2980b9", "#e67e22", "#27ae60", "#8e44ad", "#c0392b", "#16a085", "#7f8c8d", "#d4ac0d")
@@ -72,17 +72,30 @@ def cost_rows(run: RunResult) -> list[dict[str, Any]]:
             for it in run.iterations if isinstance(it.extra.get("cost"), dict)]
 
 
+def drift_title(run: RunResult) -> str:
+    """How far this run's measured times are from the cost table's, with a warning when beyond tolerance."""
+    drift = run.metrics.get("cost_drift") or cost_drift(run.iterations)
+    ratios = ", ".join(f"{stage} {drift[stage]:.2f}×" for stage in ("draft", "verify") if stage in drift)
+    if not ratios:
+        return "measured against the cost table"
+    off = drift_off(drift)
+    note = (f" <span style='color:#c0392b'>beyond ×{DRIFT_TOLERANCE}: the machine's speed changed since the table "
+            f"was measured</span>" if off else "")
+    return f"measured ÷ predicted over this run: {ratios}{note}"
+
+
 def cost_figure(run: RunResult | None, ar_run: RunResult | None = None) -> go.Figure:
     """Left: verifying n tree nodes in one target forward, and the draft's forwards, against n (measured points,
     the cost table's prediction as a line; AR's one-token step for scale). Right: each iteration's draft + verify
     seconds, predicted and measured, against the break-even: the time AR takes for the tokens it committed."""
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, column_widths=[0.45, 0.55], subplot_titles=(
         "verify n nodes, draft n rows in all (ms)", "each iteration: draft + verify vs break-even (ms)"))
-    fig.update_layout(template="plotly_white", height=430, margin={"l": 10, "r": 10, "t": 50, "b": 10},
+    fig.update_layout(template="plotly_white", height=450, margin={"l": 10, "r": 10, "t": 75, "b": 10},
                       legend={"orientation": "h", "y": -0.18, "font": {"size": 11}})
     rows = cost_rows(run) if run is not None else []
     if not rows:
         return _empty(fig, "no cost records in this run (the engine records them when the pair's costs are measured)")
+    fig.update_layout(title={"text": drift_title(run), "font": {"size": 12}, "x": 0.01})
     ms = 1000.0
     verify = sorted(rows, key=lambda r: r["verify_rows"])
     fig.add_trace(go.Scatter(x=[r["verify_rows"] for r in rows], y=[r["measured_verify_s"] * ms for r in rows],

@@ -198,7 +198,8 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     packed: "auto" | "on" | "off" -- give CPU linears a pre-packed oneDNN path (engine/kernels.py); "auto" does it
     on CPU in fp32 (or bf16 with native bf16) when the extra copy of the weights fits in free memory.
     draft_vocab: None / "full" or N -- the draft scores only the N most frequent tokens (engine/vocab.py).
-    draft_quant: "none" | "int8" | "int4" -- give the draft's linears a weight-only quantised path (CPU).
+    draft_quant: "none" | "int8" | "int4" | "auto" -- give the draft's linears weight-only quantised paths (CPU;
+    "auto": both, and nothing on other devices), used at the row counts where the cost table measured them faster.
     calibrate: measure (or read from the disk cache) each model's forward cost per row count and path, and route
     every call to its fastest path (engine/costs.py); recalibrate measures again.
     """
@@ -253,6 +254,6 @@ def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | st
             pack_linears(m, packed_dtype(pair.dtype, native_bf16))
     pair.packed = pack
     if quant != "none":
-        say(progress, 1.0, f"quantising the draft's weights to {quant}")
-        quantize_linears(pair.draft, quant)
-        pair.draft_quant = quant
+        say(progress, 1.0, f"quantising the draft's weights ({'int8 and int4' if quant == 'auto' else quant})")
+        if quantize_linears(pair.draft, quant):
+            pair.draft_quant = quant  # "auto" on a GPU adds nothing and stays "none"

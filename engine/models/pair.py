@@ -38,7 +38,7 @@ class ModelPair:
     packed: bool = False  # linears have a pre-packed oneDNN path (engine/kernels.py)
     costs: PairCosts | None = None  # measured forward costs (engine/costs.py); None: not calibrated
     draft_vocab: int | None = None  # the draft scores only this many frequent tokens (engine/vocab.py)
-    draft_quant: str = "none"  # weight-only quantised path of the draft's linears: none | int8 | int4
+    draft_quant: str = "none"  # weight-only quantised paths of the draft's linears: none | int8 | int4 | auto
 
     def routing(self) -> dict[str, str]:
         """Kernel path per row count of each model, e.g. {"target": "packed 1+", "draft": "int4 1-3, packed 4+"}."""
@@ -60,7 +60,8 @@ class ModelPair:
         if self.draft is not None and self.draft_vocab:
             text += f" | draft vocabulary {self.draft_vocab}"
         if self.draft is not None and self.draft_quant != "none":
-            text += f" | draft {self.draft_quant}"
+            quant = "int8 + int4" if self.draft_quant == "auto" else self.draft_quant
+            text += f" | draft {quant} paths"
         routers = [router_of(m) for m in (self.target, self.draft) if m is not None]
         if any(r is not None and len(r.paths) > 1 for r in routers):  # a choice was made: show it
             text += " | routing " + "; ".join(f"{role}: {r}" for role, r in self.routing().items())

@@ -29,6 +29,9 @@ class Delayed(Strategy):
     label = "Delayed tree expansion"
     summary = "A trunk of L1 draft tokens, then K i.i.d. sampled draft paths of L2 tokens from its end."
     child_mode = "iid"  # per instance: "without_replacement" when that option is on
+    # A trained engine.selector.Selector; None: the shipped one of the run's rule, loaded at the first choice. A
+    # caller (a test, an evaluation) may set its own; reset() between runs keeps it.
+    selector: neural.Selector | None = None
     params = (
         Param("k", 3, 1, 16, 1, "K (branches)", "i.i.d. paths drawn at the branching point"),
         Param("l1", 2, 0, 32, 1, "L1 (trunk length)", "draft tokens before the branching point"),
@@ -63,8 +66,6 @@ class Delayed(Strategy):
     def reset(self) -> None:
         self.generator = None  # created on the draft's device at the first draw
         self.chosen: dict | None = None  # the selector's latest choice
-        if not hasattr(self, "selector"):
-            self.selector = None  # a trained engine.selector.Selector; None: the shipped one of the run's rule
 
     def current_params(self) -> dict:
         params = dict(self.config)
@@ -74,7 +75,7 @@ class Delayed(Strategy):
 
     def choose(self, drafter, root_dist: torch.Tensor) -> tuple[int, int, int]:
         """The selector's (K, L1, L2) from the root's features (the decoder's `taps`), recorded for the iteration."""
-        taps = getattr(drafter, "taps", None)
+        taps = drafter.taps
         if taps is None:
             raise StrategyError("the neural selector needs the decoder's root features (engine.decoder.Decoder)")
         if self.selector is None:
