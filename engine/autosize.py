@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.costs import PairCosts
-from engine.metrics import cost_ratios
+from engine.metrics import cost_ratios, drift_evidence
 from engine.trace import BONUS, IterationRecord
 
 WINDOW = 12  # iterations of evidence; long enough to average acceptance, short enough to follow the text
@@ -103,8 +103,8 @@ class AutoSizer:
     def observe(self, record: IterationRecord) -> int:
         """Learn from a finished iteration and set the knob for the next; returns the new value."""
         self.samples.append(sample_of(record))
-        cost = record.extra.get("cost")
-        if record.index > 0 and isinstance(cost, dict):  # the first iteration's draft forward also reads the prompt
+        cost = drift_evidence(record)
+        if cost is not None:
             self.cost_records.append(cost)
         rates = self.predicted_rates()
         best = max(rates, key=lambda m: (rates[m], -m))  # ties: the smaller tree

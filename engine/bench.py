@@ -173,8 +173,8 @@ def format_table(report: dict[str, Any]) -> str:
             line += (f"; streaming-read bandwidth {costs['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
                      f"(AR GB/s = target weight bytes per step / AR's TPOT)")
         lines += ["", line]
-    off = [f"{r['prompt_set']} {r['method']}: {drift_off(r['cost_drift'])}" for r in report["rows"]
-           if drift_off(r.get("cost_drift") or {})]
+    drifts = ((r, drift_off(r.get("cost_drift") or {})) for r in report["rows"])
+    off = [f"{r['prompt_set']} {r['method']}: {text}" for r, text in drifts if text]
     if off:
         lines += [f"measured ÷ predicted times beyond ×{DRIFT_TOLERANCE} (the machine's speed changed since the cost "
                   f"table was measured; `python -m engine costs --recalibrate`): " + "; ".join(off)]

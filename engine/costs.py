@@ -127,16 +127,20 @@ class ModelCosts:
         return [self.best_path(r) for r in range(1, max_rows + 1)]
 
 
+def probe_ids(model, count: int) -> torch.Tensor:
+    """`count` deterministic, ordinary-looking token ids on the model's device (cost does not depend on them; the
+    specials at the end of the vocabulary are avoided)."""
+    vocab = model.config.get_text_config().vocab_size
+    return (torch.arange(count, device=next(model.parameters()).device) * 7919) % max(vocab - 512, 1)
+
+
 def measure(model, paths: list[str], ladder=LADDER, prefix: int = PREFIX, repeats: int = REPEATS
             ) -> dict[str, dict[int, float]]:
     """Seconds of a forward of each rung's row count over a `prefix`-token cache, per path: the fastest of
     `repeats` calls. Paths take turns within each rung and each repeat is a whole sweep of the ladder, so drift of
     the machine hits every path alike, and the minimum is kept because interference (another process, a page
     fault) only ever adds time."""
-    device = next(model.parameters()).device
-    vocab = model.config.get_text_config().vocab_size
-    # Deterministic ordinary-looking ids (cost does not depend on them; avoid the specials at the end of the vocab).
-    ids = (torch.arange(prefix + max(ladder), device=device) * 7919) % max(vocab - 512, 1)
+    ids = probe_ids(model, prefix + max(ladder))
     cache = kv.new_cache(model)
     router = router_of(model)
     samples: dict[str, dict[int, list[float]]] = {p: {r: [] for r in ladder} for p in paths}

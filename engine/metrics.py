@@ -53,8 +53,15 @@ def cost_drift(iterations: list[IterationRecord]) -> dict[str, float]:
     "iterations": n}, 1.0 meaning the table describes the machine as it runs now ({} without cost records). The first
     iteration, whose draft forward also reads the prompt, is left out. A table measured in another hour can be off by
     a near-uniform factor: the VMs this runs on drift 15-50 % between hours, a GPU's host-bound steps up to 2×."""
-    costs = [it.extra["cost"] for it in iterations if it.index > 0 and isinstance(it.extra.get("cost"), dict)]
+    costs = [c for c in map(drift_evidence, iterations) if c is not None]
     return {**cost_ratios(costs), "iterations": len(costs)} if costs else {}
+
+
+def drift_evidence(iteration: IterationRecord) -> dict | None:
+    """The iteration's cost record where it can tell drift: none for the first iteration, whose draft forward also
+    reads the prompt, or for an iteration without one."""
+    cost = iteration.extra.get("cost")
+    return cost if iteration.index > 0 and isinstance(cost, dict) else None
 
 
 def drift_off(drift: dict[str, float]) -> str:

@@ -26,7 +26,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config, Qwen2Fo
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import kv  # noqa: E402
-from engine.costs import LADDER, PREFIX, ModelCosts, PairCosts, _timed_forward, measure  # noqa: E402
+from engine.costs import LADDER, PREFIX, ModelCosts, PairCosts, _timed_forward, measure, probe_ids  # noqa: E402
 
 QWEN = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
             attn_implementation="sdpa")
@@ -60,8 +60,7 @@ def breakdown(model, repeats: int = 5) -> tuple[float, float, int]:
     """Single-row step after a PREFIX-token cache: (wall ms, GPU kernel ms, kernels launched), medians of `repeats`."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = next(model.parameters()).device
-    ids = (torch.arange(PREFIX + 1, device=device) * 7919) % (model.config.vocab_size - 512)
+    ids = probe_ids(model, PREFIX + 1)
     cache = kv.new_cache(model)
     rows = []
     with torch.inference_mode():
@@ -86,7 +85,7 @@ def graph_step(model, repeats: int = 20) -> tuple[float, float]:
     # Room for every call below: some transformers versions advance the write position on each call of the same
     # token instead of taking cache_position (a step past the end would fail with an index error on the device).
     cache = StaticCache(config=model.config, max_cache_len=PREFIX + 4 * repeats + 16)
-    ids = (torch.arange(PREFIX + 1, device=device) * 7919) % (model.config.vocab_size - 512)
+    ids = probe_ids(model, PREFIX + 1)
     token, position = ids[None, PREFIX:PREFIX + 1].clone(), torch.tensor([PREFIX], device=device)
 
     def step():
