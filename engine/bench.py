@@ -1,8 +1,11 @@
 """Benchmark: every method on the same prompts in one process, AR measured in the same run, warm-up excluded.
 
 `hf-assisted` is transformers' own assisted generation (`generate(assistant_model=draft)`): the peer to beat.
-Throughput per method and prompt set = new tokens / wall time summed over prompts and repeats; speedup divides
-by AR's throughput on the same prompts. Quality metrics (L-bar, l-bar, acceptance) average over iterations.
+`ar-compiled` is AR through torch.compile (engine/compiled.py), run beside the engine's eager AR where inductor can
+build it (`compiled_ar="auto"`). Throughput per method and prompt set = new tokens / wall time summed over prompts and
+repeats; speedup divides by the faster AR's throughput on the same prompts (every AR is decoded on each prompt right
+before the other methods, so drift of the machine cancels). Quality metrics (L-bar, l-bar, acceptance) average over
+iterations.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine.compiled import CompiledAR, compile_available
 from engine.decoder import Decoder, encode_prompt
 from engine.drafter import synchronize
 from engine.metrics import DRIFT_TOLERANCE, compare_outputs, cost_drift, drift_off
@@ -22,6 +26,9 @@ from engine.trace import RunResult
 from engine.verify import make_verifier
 
 HF_ASSISTED = "hf-assisted"
+AR_COMPILED = "ar-compiled"
+AR_METHODS = ("ar", AR_COMPILED)
+COMPILED_AR_MODES = ("auto", "on", "off")
 
 
 def hf_assisted(pair: ModelPair, prompt, max_new_tokens: int, stop_on_eos: bool = True) -> dict[str, Any]:
@@ -48,8 +55,13 @@ def split_method(method: str, preset: str = "cpu") -> tuple[str, str]:
 
 def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset: str = "cpu",
                params: dict | None = None, sampling: Sampling | None = None,
-               verifier: str | None = None) -> dict[str, Any]:
+               verifier: str | None = None, compiled: CompiledAR | None = None) -> dict[str, Any]:
     sampling = sampling or Sampling()
+    if method == AR_COMPILED:
+        if compiled is None:
+            raise ValueError("ar-compiled needs the bench's CompiledAR (bench(..., compiled_ar='on'))")
+        return compiled.generate(encode_prompt(pair.tokenizer, prompt), max_new_tokens, sampling,
+                                 tuple(pair.eos_token_ids))
     if method == HF_ASSISTED:
         if not sampling.greedy:
             raise ValueError("the hf-assisted baseline is benchmarked greedily only; drop it or use --temperature 0")
@@ -67,14 +79,18 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
 def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_tokens: int = 96,
           repeats: int = 1, limit: int | None = None, preset: str = "cpu", params: dict | None = None,
           log: Callable[[str], None] = print, sampling: Sampling | None = None,
-          verifier: str | None = None) -> dict[str, Any]:
+          verifier: str | None = None, compiled_ar: str = "off") -> dict[str, Any]:
+    """compiled_ar: "on" adds the ar-compiled baseline, "auto" adds it where torch.compile can build it, "off"
+    leaves it out unless `methods` names it."""
     sampling = sampling or Sampling()
-    methods = ["ar"] + [m for m in methods if m != "ar"]  # AR first: every speedup divides by it
     sets = ["code", "chat", "prose"] if prompt_set == "all" else [prompt_set]
+    compiled = compiled_baseline(pair, methods, compiled_ar, sets, limit, max_new_tokens, log)
+    # every AR first: every speedup divides by the faster of them
+    methods = ["ar"] + ([AR_COMPILED] if compiled else []) + [m for m in methods if m not in AR_METHODS]
     # Warm-up, excluded: first calls pay for allocator growth and kernel selection.
     warm = load_prompt_set(sets[0])[0]["prompt"]
     for method in methods:
-        run_method(pair, method, warm, 8, preset, params, sampling, verifier)
+        run_method(pair, method, warm, 8, preset, params, sampling, verifier, compiled)
 
     rows = []
     for set_name in sets:
@@ -85,7 +101,7 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
             for method in methods:
                 for _ in range(repeats):
                     out = run_method(pair, method, entry["prompt"], max_new_tokens, preset, params, sampling,
-                                     verifier)
+                                     verifier, compiled)
                     if method == "ar" and reference is None:
                         reference = out["output_ids"]
                     out["exact"] = out["output_ids"] == reference
@@ -93,11 +109,12 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
                 exact = f"  exact={out['exact']}" if sampling.greedy else ""
                 log(f"  {set_name:5s} {entry['name'][:28]:28s} {method:14s} "
                     f"{out['new_tokens'] / out['total_s']:6.2f} tok/s{exact}")
-        ar_tps = throughput(per_method["ar"])
-        ar_gbps = ar_bandwidth(pair, per_method["ar"])
+        baseline = max((m for m in methods if m in AR_METHODS), key=lambda m: throughput(per_method[m]))
+        ar_tps = throughput(per_method[baseline])
+        ar_gbps = ar_bandwidth(pair, per_method[baseline])
         for method in methods:
             row = summarise(set_name, method, per_method[method], ar_tps)
-            row["ar_gbps"] = ar_gbps
+            row["ar_gbps"], row["baseline"] = ar_gbps, baseline
             if not sampling.greedy:
                 row["exact_match_rate"] = None  # sampled outputs are not expected to equal AR's sample
             rows.append(row)
@@ -107,14 +124,37 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
                        "repeats": repeats, "preset": preset, "prompt_set": prompt_set, "limit": limit,
                        "sampling": sampling.as_dict(), "verifier": verifier,
                        "threads": torch.get_num_threads(), "draft_vocab": pair.draft_vocab,
+                       "compiled_ar_compile_s": compiled.compile_s if compiled else None,
                        "draft_quant": pair.draft_quant, "routing": pair.routing(), "costs": costs},
             "rows": rows}
+
+
+def compiled_baseline(pair: ModelPair, methods: list[str], mode: str, sets: list[str], limit: int | None,
+                      max_new_tokens: int, log: Callable[[str], None]) -> CompiledAR | None:
+    """The ar-compiled baseline, compiled before any timing (its static cache fits the longest prompt), or None."""
+    if mode not in COMPILED_AR_MODES:
+        raise ValueError(f"compiled_ar must be one of {', '.join(COMPILED_AR_MODES)}, got {mode!r}")
+    if mode == "off" and AR_COMPILED not in methods:
+        return None
+    reason = compile_available(pair.device)
+    if reason:
+        if mode == "auto":
+            log(f"ar-compiled left out: {reason}")
+            return None
+        raise ValueError(f"ar-compiled cannot run: {reason}")
+    prompts = [e["prompt"] for name in sets for e in load_prompt_set(name)[:limit]]
+    longest = max(len(encode_prompt(pair.tokenizer, p)) for p in prompts)
+    compiled = CompiledAR(pair.target, max_len=-(-(longest + max_new_tokens + 1) // 128) * 128)
+    log(f"compiling the ar-compiled baseline (torch.compile, max-autotune; cached on disk by inductor)...")
+    log(f"  compiled in {compiled.warm_up(encode_prompt(pair.tokenizer, prompts[0])):.0f} s")
+    return compiled
 
 
 def ar_bandwidth(pair: ModelPair, ar_outs: list[dict]) -> float | None:
     """GB/s AR achieved: the target's linear weight bytes per step ÷ AR's measured time per output token (TPOT,
     prefill excluded). None without a cost table (it knows the bytes a step reads on the installed routing)."""
-    tpots = [o["result"].metrics["tpot_s"] for o in ar_outs if o["result"].metrics.get("tpot_s")]
+    tpots = [o["result"].metrics["tpot_s"] if "result" in o else o.get("tpot_s") for o in ar_outs]
+    tpots = [t for t in tpots if t]
     if pair.costs is None or not tpots:
         return None
     return pair.costs.target.step_bytes / (sum(tpots) / len(tpots)) / 1e9
@@ -133,6 +173,9 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
                            "speedup": tps / ar_tps,
                            "exact_match_rate": sum(exact) / len(outs) if len(exact) == len(outs) else None}
     results: list[RunResult] = [o["result"] for o in outs if "result" in o]
+    if not results and all(o.get("tpot_s") for o in outs):  # ar-compiled times its own prefill and steps
+        row["ttft_s"] = sum(o["ttft_s"] for o in outs) / len(outs)
+        row["tpot_s"] = sum(o["tpot_s"] for o in outs) / len(outs)
     if results:
         iters = [it for r in results for it in r.iterations]
         drafted = sum(it.drafted for it in iters)
@@ -164,6 +207,10 @@ def format_table(report: dict[str, Any]) -> str:
             f"{fmt(r.get('ar_gbps'), '8.1f')} {fmt(r.get('mean_tokens_per_iter'), '6.2f')} {fmt(r.get('mean_accepted_len'), '6.2f')} "
             f"{fmt(r.get('acceptance_rate'), '7.2f')} {fmt(r.get('iterations'), '6.1f')} "
             f"{fmt(r.get('ttft_s'), '7.3f')} {fmt(r.get('tpot_s'), '7.3f')} {fmt(r['exact_match_rate'], '6.2f')}")
+    baselines = {r["prompt_set"]: r.get("baseline", "ar") for r in report["rows"]}
+    if any(b != "ar" for b in baselines.values()) or any(r["method"] == AR_COMPILED for r in report["rows"]):
+        lines += ["", "speedup = tok/s ÷ the faster AR on the set: " +
+                  ", ".join(f"{name} {b}" for name, b in baselines.items())]
     costs = report.get("config", {}).get("costs")
     if costs:
         t16 = costs["t"].get(16, costs["t"].get("16"))  # int keys in memory, str keys once read back from JSON

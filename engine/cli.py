@@ -190,16 +190,16 @@ def cmd_bench(args) -> int:
     methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
     names = {m: split_method(m, args.preset) for m in methods}
     for m, (name, preset) in names.items():
-        if m != "hf-assisted" and name not in STRATEGIES:
-            raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, hf-assisted "
-                                f"(a strategy may name its preset: dynatree@auto)")
+        if m not in ("hf-assisted", "ar-compiled") and name not in STRATEGIES:
+            raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, hf-assisted, "
+                                f"ar-compiled (a strategy may name its preset: dynatree@auto)")
         if name in STRATEGIES and preset not in STRATEGIES[name].preset_names():
             raise StrategyError(f"{name} has no preset {preset!r}; choose from {STRATEGIES[name].preset_names()}")
     params = {name: _strategy_params(args, name, strict=False) for name, _ in names.values() if name in STRATEGIES}
     pair = _load(args)
     report = bench(pair, methods, args.prompt_set, args.max_new_tokens, args.repeats, args.limit, args.preset,
                    params, log=lambda s: print(s, file=sys.stderr, flush=True), sampling=_sampling(args),
-                   verifier=args.verifier)
+                   verifier=args.verifier, compiled_ar=args.compiled_ar)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--strategies", default="ar,linear,fixed,dynatree,hf-assisted",
                    help="comma list of strategies and/or hf-assisted; strategy@preset picks one strategy's "
                         "preset (e.g. dynatree,dynatree@auto compares them on the same prompts)")
+    b.add_argument("--compiled-ar", default="auto", choices=("auto", "on", "off"),
+                   help="also run AR through torch.compile (ar-compiled) and divide speedups by the faster AR; "
+                        "auto: where inductor can build it (CPU with a C++ compiler); compiling takes ~1 min once")
     b.add_argument("--prompt-set", default="all", help="code | chat | prose | all")
     b.add_argument("--max-new-tokens", type=int, default=96)
     b.add_argument("--repeats", type=int, default=1)

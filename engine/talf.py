@@ -175,11 +175,12 @@ def add_lora(model, rank: int = 16, alpha: int = 32, dropout: float = 0.0):
     return get_peft_model(model, config)
 
 
-def load_adapter(model, path: str | Path, merge: bool = True):
+def load_adapter(model, path: str | Path, merge: bool = True, trainable: bool = False):
     """Load a TALF LoRA adapter saved by scripts/talf.py onto `model` (the draft it was trained on).
 
     merge=True folds the adapter into the weights and returns a plain model, so the decoder, kernel packing and
-    quantisation see an ordinary draft; merge=False returns the peft wrapper. Call it before prepare_kernels: peft
+    quantisation see an ordinary draft; merge=False returns the peft wrapper (with trainable=True, ready to train on:
+    scripts/talf.py lora --resume). Call it before prepare_kernels: peft
     can only wrap plain nn.Linear layers, not the routed ones kernel preparation puts in their place."""
     path = Path(path).expanduser()
     if not (path / "adapter_config.json").is_file():
@@ -187,11 +188,11 @@ def load_adapter(model, path: str | Path, merge: bool = True):
                         "`python scripts/talf.py lora --out PATH`")
     from peft import PeftModel
     try:
-        wrapped = PeftModel.from_pretrained(model, str(path))
+        wrapped = PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
     except (ValueError, RuntimeError) as err:  # routed / packed linears, or an adapter of another model's shapes
         raise TalfError(f"cannot load the adapter {path} onto this draft ({str(err)[:300]}). Load it onto the "
                         "draft it was trained on, right after loading and before engine.models.prepare_kernels "
                         "wraps the linears.") from None
-    if not merge:
+    if trainable or not merge:
         return wrapped
     return wrapped.merge_and_unload().eval()

@@ -16,6 +16,8 @@ presets); L-bar = committed tokens per target pass, pooled over the prompts.
 the first 40 % of --minutes (at least one sequence), then a LoRA adapter (peft, rank 16 on every attention and MLP
 projection) on the fp32 0.5B draft is trained with TALF, cycling over them, until --minutes of wall time are spent
 (the step in progress is finished), and saved with peft's save_pretrained to --out, which must lie outside the repo.
+--resume PATH continues an earlier adapter instead of starting one (give another --seed for other sequences); the
+saved talf_run.json keeps every run's steps and wall time, so a budget spread over several sittings adds up.
 Load it as a draft with engine.talf.load_adapter(draft, PATH) before kernel preparation.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ from engine import kv  # noqa: E402
 from engine.decoder import Decoder  # noqa: E402
 from engine.models import ModelPair, tiny_config, tiny_random_model, tiny_tokenizer  # noqa: E402
 from engine.strategies import make_strategy  # noqa: E402
-from engine.talf import add_lora, target_tree_batch, tree_loss  # noqa: E402
+from engine.talf import add_lora, load_adapter, target_tree_batch, tree_loss  # noqa: E402
 from engine.vocab import corpus_files  # noqa: E402
 
 EVAL_STRATEGIES = ("dynatree", "salf", "eagle2")
@@ -257,7 +259,7 @@ def lora(args) -> int:
               f"{time.perf_counter() - t:.1f} s", flush=True)
     del target  # free its memory before the draft's training activations
     gc.collect()
-    model = add_lora(draft, rank=args.rank)
+    model, earlier = with_adapter(draft, args)
     model.print_trainable_parameters()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -272,13 +274,30 @@ def lora(args) -> int:
         step += 1
         print(f"step {step}: TALF loss {loss.item():.4f} ({time.perf_counter() - t:.1f} s)", flush=True)
     model.save_pretrained(str(out))
+    run = {"base": draft_name, "target": target_name, "steps": step, "sequences": len(batches),
+           "seq_len": args.seq_len, "k": args.k, "depth": args.depth, "rank": args.rank, "lr": args.lr,
+           "seed": args.seed, "wall_s": round(time.perf_counter() - t0, 1)}
+    runs = earlier + [run]
     (out / "talf_run.json").write_text(json.dumps({
-        "base": draft_name, "target": target_name, "steps": step, "sequences": len(batches),
-        "seq_len": args.seq_len, "k": args.k, "depth": args.depth, "rank": args.rank, "lr": args.lr,
-        "wall_s": round(time.perf_counter() - t0, 1)}, indent=1))
-    print(f"saved the adapter to {out} after {step} steps, {time.perf_counter() - t0:.0f} s in all; load it with "
+        **run, "runs": runs, "total_steps": sum(r["steps"] for r in runs),
+        "total_wall_s": round(sum(r["wall_s"] for r in runs), 1)}, indent=1))
+    print(f"saved the adapter to {out} after {step} steps, {time.perf_counter() - t0:.0f} s in all "
+          f"({len(runs)} run(s), {sum(r['steps'] for r in runs)} steps); load it with "
           f"engine.talf.load_adapter(draft, {str(out)!r})")
     return 0
+
+
+def with_adapter(draft, args):
+    """A fresh LoRA on the draft, or (--resume) the saved adapter made trainable again, with its earlier runs."""
+    if not args.resume:
+        return add_lora(draft, rank=args.rank), []
+    folder = Path(args.resume).expanduser()
+    model = load_adapter(draft, folder, merge=False, trainable=True)
+    record = folder / "talf_run.json"
+    info = json.loads(record.read_text()) if record.is_file() else {}
+    earlier = info.get("runs") or ([{k: v for k, v in info.items() if k not in ("runs",)}] if info else [])
+    args.rank = model.peft_config["default"].r  # the adapter's rank, whatever --rank says
+    return model, earlier
 
 
 def main(argv=None) -> int:
@@ -315,6 +334,8 @@ def main(argv=None) -> int:
     r.add_argument("--lr", type=float, default=2e-4)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--target-dtype", default="bf16", help="dtype the target labels in (the draft trains in fp32)")
+    r.add_argument("--resume", help="an adapter folder from an earlier run: keep training it (new sequences, labelled "
+                   "with --seed; a fresh optimiser) and save to --out, its talf_run.json listing every run")
     args = ap.parse_args(argv)
     if getattr(args, "minutes", 1) <= 0:
         ap.error("--minutes must be positive")

@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from engine.bench import run_method
 from engine.cli import main, strategy_docs
 from engine.strategies import STRATEGIES
@@ -23,15 +25,28 @@ def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
 
 
 def test_bench_prints_table_and_json(tmp_path, capsys):
+    """The default bench: ar-compiled joins (torch.compile is available here), in fp32 it emits exactly AR's
+    tokens, and every speedup divides by the faster of the two ARs."""
     out = tmp_path / "bench.json"
-    code = main(["bench", "--pair", "tiny-random", "--strategies", "ar,linear,dynatree,hf-assisted",
-                 "--prompt-set", "code", "--limit", "1", "--max-new-tokens", "12", "--json", str(out)])
+    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--strategies",
+                 "ar,linear,dynatree,hf-assisted", "--prompt-set", "code", "--limit", "2", "--max-new-tokens", "12",
+                 "--json", str(out)])
     assert code == 0
     table = capsys.readouterr().out
     assert "hf-assisted" in table and "dynatree" in table and "speedup" in table
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["method"] for r in rows} == {"ar", "linear", "dynatree", "hf-assisted"}
-    assert next(r for r in rows if r["method"] == "ar")["speedup"] == 1.0
+    assert "speedup = tok/s ÷ the faster AR on the set: code ar" in table
+    report = json.loads(out.read_text())
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"ar", "ar-compiled", "linear", "dynatree", "hf-assisted"}
+    assert rows["ar-compiled"]["exact_match_rate"] == 1.0 and report["config"]["compiled_ar_compile_s"] > 0
+    assert rows["ar-compiled"]["tpot_s"] > 0 and rows["ar-compiled"]["ttft_s"] > 0
+    baseline = rows["ar"]["baseline"]
+    assert baseline in ("ar", "ar-compiled") and rows[baseline]["speedup"] == 1.0
+    assert max(rows["ar"]["speedup"], rows["ar-compiled"]["speedup"]) == 1.0
+    for r in rows.values():
+        assert r["speedup"] == r["tokens_per_s"] / rows[baseline]["tokens_per_s"]
+    with pytest.raises(SystemExit):  # argparse refuses an unknown mode before anything loads
+        main(["bench", "--pair", "tiny-random", "--compiled-ar", "sometimes"])
 
 
 def test_bad_input_gives_a_clear_error(capsys):
@@ -89,9 +104,9 @@ def test_costs_command_prints_the_table(tmp_path, capsys, monkeypatch):
 def test_bench_with_cheap_draft_and_auto_preset(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
     out = tmp_path / "bench.json"
-    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--strategies", "ar,dynatree", "--preset",
-                 "auto", "--draft-vocab", "128", "--draft-quant", "int4", "--prompt-set", "code", "--limit", "1",
-                 "--max-new-tokens", "12", "--json", str(out)])
+    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--compiled-ar", "off", "--strategies",
+                 "ar,dynatree", "--preset", "auto", "--draft-vocab", "128", "--draft-quant", "int4", "--prompt-set",
+                 "code", "--limit", "1", "--max-new-tokens", "12", "--json", str(out)])
     assert code == 0
     assert "AR GB/s" in capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -103,8 +118,9 @@ def test_bench_compares_presets_of_one_strategy(tmp_path, monkeypatch, capsys, r
     """strategy@preset rows run on the same prompts as the others; an unknown preset is refused before loading."""
     monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
     out = tmp_path / "bench.json"
-    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--strategies", "ar,linear,linear@paper",
-                 "--prompt-set", "code", "--limit", "1", "--max-new-tokens", "12", "--json", str(out)])
+    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--compiled-ar", "off", "--strategies",
+                 "ar,linear,linear@paper", "--prompt-set", "code", "--limit", "1", "--max-new-tokens", "12",
+                 "--json", str(out)])
     assert code == 0
     assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["ar", "linear", "linear@paper"]
     paper, cpu = (STRATEGIES["linear"].preset_values(p)["k"] for p in ("paper", "cpu"))

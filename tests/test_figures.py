@@ -210,6 +210,7 @@ def test_badge_and_throughput():
     assert "matches AR" in F.badge_html({"exact_match": True, "compared_tokens": 9})
     tp = F.throughput_figure(run, make_run([make_iteration()], tokens_per_s=5.0))
     assert "speedup" in tp.layout.title.text and f"{run.metrics['tokens_per_s'] / 5.0:.2f}×" in tp.layout.title.text
+    assert "over AR (eager)" in tp.layout.title.text  # the app's AR is eager; bench also times a compiled one
 
 
 def test_text_of_a_trace_without_token_texts_is_shown_whole():

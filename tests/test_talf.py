@@ -182,13 +182,50 @@ def test_lora_adapter_round_trips(tmp_path):
             assert torch.allclose(loaded(input_ids=probe).logits, trained, atol=2e-4)
 
 
-def test_tiny_experiment_writes_table_and_figure(tmp_path):
-    """scripts/talf.py tiny end to end at toy sizes: trains, evaluates every tree strategy, writes md + html."""
+def test_resumed_adapter_keeps_training_and_its_run_record(tmp_path):
+    """`talf.py lora --resume`: the saved adapter comes back trainable (only its LoRA matrices), at its own rank,
+    a step moves it from where it was saved, and the earlier runs stay in the record."""
+    import argparse
+    import json
+    script = talf_script()
+    base = tiny_random_model(5, num_layers=2)
+    first = add_lora(copy.deepcopy(base), rank=4)
+    with torch.no_grad():
+        for name, param in first.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    first.save_pretrained(str(tmp_path))
+    (tmp_path / "talf_run.json").write_text(json.dumps({"steps": 7, "wall_s": 60.0}))
+    args = argparse.Namespace(resume=str(tmp_path), rank=16)
+    model, earlier = script.with_adapter(copy.deepcopy(base), args)
+    assert earlier == [{"steps": 7, "wall_s": 60.0}] and args.rank == 4
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    saved = {n: p.detach().clone() for n, p in first.named_parameters() if "lora_" in n}
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters() if n in saved)  # starts where it stopped
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(3))
+    batch = target_tree_batch(peaked_target(), ids, k=2, depth=2, label_topk=4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tree_loss(model, batch).backward()
+    opt.step()
+    assert any(not torch.equal(p, saved[n]) for n, p in model.named_parameters() if n in saved)
+    fresh, none = script.with_adapter(copy.deepcopy(base), argparse.Namespace(resume=None, rank=2))
+    assert none == [] and fresh.peft_config["default"].r == 2
+
+
+def talf_script():
     import importlib.util
     from pathlib import Path
     spec = importlib.util.spec_from_file_location("talf_script", Path(__file__).parent.parent / "scripts" / "talf.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_tiny_experiment_writes_table_and_figure(tmp_path):
+    """scripts/talf.py tiny end to end at toy sizes: trains, evaluates every tree strategy, writes md + html."""
+    from pathlib import Path
+    script = talf_script()
     args = ["tiny", "--out", str(tmp_path), "--seeds", "1", "--target-steps", "2", "--steps", "1",
             "--draft-pretrain", "1", "--sequences", "2", "--seq-len", "8", "--batch", "2", "--prompts", "1",
             "--prompt-bytes", "16", "--tokens", "4", "--train-chars", "20000", "--equal-rows"]
