@@ -30,8 +30,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto = both int8 and int4, the router picks per row count (the app's default)")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the forward-cost table again instead of reading it from the cache")
-    p.add_argument("--preset", default="cpu",
-                   help="strategy parameter preset: cpu (default) | paper | auto (tree size from measured costs)")
+    p.add_argument("--preset", default=None,
+                   help="strategy parameter preset: auto (default: tree size from this machine's measured costs) | "
+                        "cpu (fixed sizes tuned on a 2-core CPU; the default when you set a size flag yourself) | "
+                        "paper")
 
 
 SAMPLING_FLAGS = {"temperature", "top_k", "top_p", "seed", "verifier"}
@@ -109,6 +111,15 @@ def _strategy_params(args, strategy: str, strict: bool = True) -> dict:
     return given
 
 
+def _preset(args, strategies: list[str]) -> str:
+    """--preset if given. Otherwise `auto`, unless a size knob that `auto` would retune (--budget, --n, --k of the
+    strategies run) was set by hand: a size typed on the command line is meant as a fixed size, so it runs on `cpu`."""
+    if args.preset:
+        return args.preset
+    knobs = {STRATEGIES[s].auto_param for s in strategies if s in STRATEGIES} - {None}
+    return "cpu" if any(getattr(args, f"param_{k}", None) is not None for k in knobs) else "auto"
+
+
 def _load(args):
     from engine.models import PAIRS, load_pair
     if args.pair:
@@ -142,7 +153,7 @@ def cmd_generate(args) -> int:
         raise SystemExit("error: give --prompt TEXT or --prompt-file F")
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
-    strategy = make_strategy(args.strategy, args.preset, **_strategy_params(args, args.strategy))
+    strategy = make_strategy(args.strategy, _preset(args, [args.strategy]), **_strategy_params(args, args.strategy))
     sampling = _sampling(args)
     verifier = make_verifier(args.verifier) if args.verifier else None
     pair = _load(args)
@@ -188,7 +199,8 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from engine.bench import bench, format_table, split_method
     methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
-    names = {m: split_method(m, args.preset) for m in methods}
+    preset = _preset(args, [m.partition("@")[0] for m in methods])
+    names = {m: split_method(m, preset) for m in methods}
     for m, (name, preset) in names.items():
         if m not in ("hf-assisted", "ar-compiled") and name not in STRATEGIES:
             raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, hf-assisted, "
@@ -197,7 +209,7 @@ def cmd_bench(args) -> int:
             raise StrategyError(f"{name} has no preset {preset!r}; choose from {STRATEGIES[name].preset_names()}")
     params = {name: _strategy_params(args, name, strict=False) for name, _ in names.values() if name in STRATEGIES}
     pair = _load(args)
-    report = bench(pair, methods, args.prompt_set, args.max_new_tokens, args.repeats, args.limit, args.preset,
+    report = bench(pair, methods, args.prompt_set, args.max_new_tokens, args.repeats, args.limit, preset,
                    params, log=lambda s: print(s, file=sys.stderr, flush=True), sampling=_sampling(args),
                    verifier=args.verifier, compiled_ar=args.compiled_ar)
     print(format_table(report))

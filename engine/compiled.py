@@ -1,10 +1,10 @@
 """Autoregressive decoding through torch.compile: the fastest single-row step torch offers, as a baseline.
 
-Measured on a 2-core AVX-512 bf16 CPU (docs/experiments/compiled-ar.md): the engine's eager AR step spends ~90 % of
-its time in oneDNN's linear kernels, and inductor with frozen weights and `max-autotune` replaces them with its own
-C++ micro-GEMMs and fuses the rest of the layer, which made AR's time per token 1.19x shorter over the 24 shipped
-prompts. A speedup is only as honest as its baseline, so `bench` runs this beside the eager AR and divides by the
-faster of the two. The speculative methods do not use it (their row counts change every iteration; see the README).
+The engine's eager AR step spends ~90 % of its time in oneDNN's linear kernels. inductor with frozen weights and
+`max-autotune` times its own C++ micro-GEMMs against them per weight shape, keeps the faster, and fuses the rest of
+the layer; on the project's 2-core CPU that made AR markedly faster (docs/experiments/compiled-ar.md). Whether it
+wins is the machine's business, so `bench` runs this beside the eager AR and divides by whichever was faster. The
+speculative methods do not use it (their row counts change every iteration; see the README).
 
     ar = CompiledAR(pair.target, max_len=1024)   # compiles on the first call (about a minute for 1.5B on 2 cores)
     out = ar.generate(prompt_ids, max_new_tokens=96, sampling=Sampling(), eos_ids=(...))
@@ -56,7 +56,8 @@ class CompiledAR:
         reason = compile_available(self.device)
         if reason:
             raise CompileError(reason)
-        # Frozen weights are constants to inductor: it picks its GEMM per weight and packs it once.
+        # Frozen weights are constants to inductor: it picks its GEMM per weight and packs it once. (A process-wide
+        # inductor setting; nothing else in the engine compiles.)
         inductor_config.freezing = True
         self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
         self.step = torch.compile(model, dynamic=False, mode=mode)

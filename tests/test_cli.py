@@ -40,6 +40,7 @@ def test_bench_prints_table_and_json(tmp_path, capsys):
     assert set(rows) == {"ar", "ar-compiled", "linear", "dynatree", "hf-assisted"}
     assert rows["ar-compiled"]["exact_match_rate"] == 1.0 and report["config"]["compiled_ar_compile_s"] > 0
     assert rows["ar-compiled"]["tpot_s"] > 0 and rows["ar-compiled"]["ttft_s"] > 0
+    assert report["config"]["preset"] == "auto"  # the default: sizes from this machine's measured costs
     baseline = rows["ar"]["baseline"]
     assert baseline in ("ar", "ar-compiled") and rows[baseline]["speedup"] == 1.0
     assert max(rows["ar"]["speedup"], rows["ar-compiled"]["speedup"]) == 1.0
@@ -47,6 +48,23 @@ def test_bench_prints_table_and_json(tmp_path, capsys):
         assert r["speedup"] == r["tokens_per_s"] / rows[baseline]["tokens_per_s"]
     with pytest.raises(SystemExit):  # argparse refuses an unknown mode before anything loads
         main(["bench", "--pair", "tiny-random", "--compiled-ar", "sometimes"])
+
+
+def test_default_preset_is_auto_unless_a_size_is_typed(tmp_path):
+    """No --preset: `auto`; but a size knob `auto` would retune, typed by hand, means that fixed size (`cpu`)."""
+    import argparse
+    from engine.cli import _preset
+    bare = argparse.Namespace(preset=None, param_budget=None, param_n=None, param_k=None, param_depth=None)
+    assert _preset(bare, ["dynatree"]) == "auto" and _preset(bare, ["ar", "salf"]) == "auto"
+    assert _preset(argparse.Namespace(**{**vars(bare), "param_budget": 8}), ["dynatree"]) == "cpu"
+    assert _preset(argparse.Namespace(**{**vars(bare), "param_depth": 3}), ["dynatree"]) == "auto"  # not a size knob
+    assert _preset(argparse.Namespace(**{**vars(bare), "preset": "paper", "param_budget": 8}), ["dynatree"]) == "paper"
+    out = tmp_path / "run.json"
+    assert main(["generate", "--pair", "tiny-random", "--dtype", "fp32", "--strategy", "dynatree", "--prompt", "hello",
+                 "--max-new-tokens", "16", "--no-eos", "--compare-ar", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["exact_match"] is True
+    assert all("auto" in it["extra"]["cost"] for it in data["iterations"])  # the sizer ran every iteration
 
 
 def test_bad_input_gives_a_clear_error(capsys):
