@@ -145,7 +145,7 @@ def compiled_baseline(pair: ModelPair, methods: list[str], mode: str, sets: list
     prompts = [e["prompt"] for name in sets for e in load_prompt_set(name)[:limit]]
     longest = max(len(encode_prompt(pair.tokenizer, p)) for p in prompts)
     compiled = CompiledAR(pair.target, max_len=-(-(longest + max_new_tokens + 1) // 128) * 128)
-    log(f"compiling the ar-compiled baseline (torch.compile, max-autotune; cached on disk by inductor)...")
+    log("compiling the ar-compiled baseline (torch.compile, max-autotune; cached on disk by inductor)...")
     log(f"  compiled in {compiled.warm_up(encode_prompt(pair.tokenizer, prompts[0])):.0f} s")
     return compiled
 
