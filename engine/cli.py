@@ -197,12 +197,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from engine.bench import bench, format_table, split_method
+    from engine.bench import AR_COMPILED, HF_ASSISTED, bench, format_table, split_method
     methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
     preset = _preset(args, [m.partition("@")[0] for m in methods])
     names = {m: split_method(m, preset) for m in methods}
     for m, (name, preset) in names.items():
-        if m not in ("hf-assisted", "ar-compiled") and name not in STRATEGIES:
+        if m not in (HF_ASSISTED, AR_COMPILED) and name not in STRATEGIES:
             raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, hf-assisted, "
                                 f"ar-compiled (a strategy may name its preset: dynatree@auto)")
         if name in STRATEGIES and preset not in STRATEGIES[name].preset_names():

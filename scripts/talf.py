@@ -295,7 +295,7 @@ def with_adapter(draft, args):
     model = load_adapter(draft, folder, merge=False, trainable=True)
     record = folder / "talf_run.json"
     info = json.loads(record.read_text()) if record.is_file() else {}
-    earlier = info.get("runs") or ([{k: v for k, v in info.items() if k not in ("runs",)}] if info else [])
+    earlier = info.get("runs") or ([info] if info else [])  # a record from before --resume existed: one run
     args.rank = model.peft_config["default"].r  # the adapter's rank, whatever --rank says
     return model, earlier
 
