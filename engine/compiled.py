@@ -20,12 +20,10 @@ The cost of it:
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-
 import torch
 
 from engine.drafter import synchronize
-from engine.kernels import router_of
+from engine.kernels import forcing
 from engine.sampling import Sampling
 
 
@@ -63,20 +61,6 @@ class CompiledAR:
         self.step = torch.compile(model, dynamic=False, mode=mode)
         self.compile_s: float | None = None  # seconds the first step took (tracing + autotuning + C++ build)
 
-    @contextmanager
-    def _plain_linears(self):
-        """Routed linears take their plain F.linear path while compiled code runs or is traced: inductor must see
-        an ordinary matmul with a constant weight to choose and pack its own kernel."""
-        router = router_of(self.model)
-        before = router.forced if router is not None else None
-        if router is not None:
-            router.forced = "plain"
-        try:
-            yield
-        finally:
-            if router is not None:
-                router.forced = before
-
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None = None,
                  eos_ids: tuple[int, ...] = ()) -> dict:
@@ -96,7 +80,8 @@ class CompiledAR:
         out = [self._next(logits, sampling, generator)]
         synchronize(self.device)
         ttft = time.perf_counter() - start
-        with self._plain_linears():
+        # inductor must see an ordinary matmul with a constant weight to choose and pack its own kernel
+        with forcing(self.model, "plain"):
             while len(out) < max_new_tokens and out[-1] not in eos_ids:
                 pos = len(prompt_ids) + len(out) - 1
                 first = time.perf_counter() if self.compile_s is None else None

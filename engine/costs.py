@@ -27,7 +27,7 @@ import torch
 
 from engine import kv
 from engine.drafter import synchronize
-from engine.kernels import PATHS, router_of, step_bytes
+from engine.kernels import PATHS, forcing, router_of, step_bytes
 
 LADDER = (1, 2, 4, 8, 16, 32, 64)
 PREFIX = 300
@@ -142,28 +142,23 @@ def measure(model, paths: list[str], ladder=LADDER, prefix: int = PREFIX, repeat
     fault) only ever adds time."""
     ids = probe_ids(model, prefix + max(ladder))
     cache = kv.new_cache(model)
-    router = router_of(model)
     samples: dict[str, dict[int, list[float]]] = {p: {r: [] for r in ladder} for p in paths}
     with torch.inference_mode():
         model(input_ids=ids[None, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        try:
-            for path in paths:  # warm-up, discarded: first calls of a path allocate and pick kernels
-                _timed_forward(model, router, path, ids, prefix, ladder[0], cache)
-            for _ in range(repeats):  # whole sweeps: a burst of interference spoils one sweep, not every repeat
-                for rows in ladder:
-                    for path in paths:
-                        samples[path][rows].append(_timed_forward(model, router, path, ids, prefix, rows, cache))
-        finally:
-            if router is not None:
-                router.forced = None
+        for path in paths:  # warm-up, discarded: first calls of a path allocate and pick kernels
+            with forcing(model, path):
+                timed_forward(model, ids, prefix, ladder[0], cache)
+        for _ in range(repeats):  # whole sweeps: a burst of interference spoils one sweep, not every repeat
+            for rows in ladder:
+                for path in paths:
+                    with forcing(model, path):
+                        samples[path][rows].append(timed_forward(model, ids, prefix, rows, cache))
     return {p: {r: min(v) for r, v in by_rows.items()} for p, by_rows in samples.items()}
 
 
-def _timed_forward(model, router, path: str, ids: torch.Tensor, prefix: int, rows: int, cache) -> float:
-    """Seconds of one forward of `rows` rows on `path` after the cached prefix; the cache is rolled back after."""
+def timed_forward(model, ids: torch.Tensor, prefix: int, rows: int, cache) -> float:
+    """Seconds of one forward of `rows` rows after the cached prefix; the cache is rolled back after."""
     device = ids.device
-    if router is not None:
-        router.forced = path
     mask = _causal_mask(prefix, rows, model.dtype, device)
     positions = torch.arange(prefix, prefix + rows, device=device)[None]
     synchronize(device)

@@ -22,6 +22,7 @@ order differs) and multi-row outputs are rounded back to bf16.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -173,6 +174,21 @@ class RoutedLinear(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # installing paths on a model
+
+
+@contextmanager
+def forcing(model: nn.Module, path: str | None):
+    """Every routed linear of `model` takes `path` inside the block (None: its routing); the previous setting comes
+    back afterwards. Calibration times one path at a time this way; the compiled AR traces the plain path."""
+    router = router_of(model)
+    before = router.forced if router is not None else None
+    if router is not None:
+        router.forced = path
+    try:
+        yield
+    finally:
+        if router is not None:
+            router.forced = before
 
 
 def router_of(model: nn.Module) -> Router | None:

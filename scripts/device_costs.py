@@ -26,7 +26,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config, Qwen2Fo
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import kv  # noqa: E402
-from engine.costs import LADDER, PREFIX, ModelCosts, PairCosts, _timed_forward, measure, probe_ids  # noqa: E402
+from engine.costs import LADDER, PREFIX, ModelCosts, PairCosts, timed_forward, measure, probe_ids  # noqa: E402
 
 QWEN = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
             attn_implementation="sdpa")
@@ -65,20 +65,22 @@ def breakdown(model, repeats: int = 5) -> tuple[float, float, int]:
     rows = []
     with torch.inference_mode():
         model(input_ids=ids[None, :PREFIX], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        _timed_forward(model, None, "plain", ids, PREFIX, 1, cache)  # warm-up
+        timed_forward(model, ids, PREFIX, 1, cache)  # warm-up
         for _ in range(repeats):
-            wall = _timed_forward(model, None, "plain", ids, PREFIX, 1, cache)
+            wall = timed_forward(model, ids, PREFIX, 1, cache)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                _timed_forward(model, None, "plain", ids, PREFIX, 1, cache)
+                timed_forward(model, ids, PREFIX, 1, cache)
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             rows.append((wall * 1e3, sum(e.device_time for e in kernels) / 1e3, len(kernels)))
     return tuple(sorted(r[i] for r in rows)[repeats // 2] for i in range(3))
 
 
-def graph_step(model, repeats: int = 20) -> tuple[float, float]:
+def graph_step(model, repeats: int = 20) -> tuple[float, float, float, bool]:
     """A single-row decode step on a static cache (transformers' StaticCache), eager and replayed from a CUDA graph
-    captured by hand (torch.cuda.graph; no torch.compile): (eager ms, graph ms), medians of `repeats`. How much of a
-    step's wall time is launch overhead a graph removes. Measurement only: the engine does not use graphs yet."""
+    captured by hand (torch.cuda.graph; no torch.compile): (eager ms, graph ms, max |logit difference| between a
+    replay and an eager step on the same input, whether their argmax agrees), times the medians of `repeats`. How
+    much of a step's wall time is launch overhead a graph removes. Measurement only: the engine does not use graphs
+    yet."""
     from transformers import StaticCache
 
     device = next(model.parameters()).device
@@ -113,8 +115,14 @@ def graph_step(model, repeats: int = 20) -> tuple[float, float]:
         eager = timed(step)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            step()
-        return eager, timed(graph.replay)
+            replayed = step()  # the graph's output buffer: every replay writes it
+        graphed = timed(graph.replay)
+        # Every call writes the same token at the same position, so an eager step and a replay see the same cache.
+        reference = step()[0, -1].float()
+        graph.replay()
+        torch.cuda.synchronize()
+        out = replayed[0, -1].float()
+        return eager, graphed, float((out - reference).abs().max()), bool(out.argmax() == reference.argmax())
 
 
 def main() -> int:
@@ -143,8 +151,9 @@ def main() -> int:
                       f"({100 * gpu / wall:.0f} % busy), {launched} kernels")
             if args.graphs and device.type == "cuda":
                 try:
-                    eager, graphed = graph_step(model)
-                    print(f"  {name} 1-row static-cache step: eager {eager:.2f} ms, CUDA graph {graphed:.2f} ms")
+                    eager, graphed, diff, same = graph_step(model)
+                    print(f"  {name} 1-row static-cache step: eager {eager:.2f} ms, CUDA graph {graphed:.2f} ms; "
+                          f"replay vs eager logits: max |diff| {diff:.3g}, argmax {'equal' if same else 'DIFFERS'}")
                 except Exception as err:  # noqa: BLE001 - a capture the model's code does not allow is a result too
                     print(f"  {name}: CUDA graph capture failed: {type(err).__name__}: {str(err)[:300]}")
             del model

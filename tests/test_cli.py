@@ -85,6 +85,20 @@ def test_readme_strategy_tables_match_the_declarations():
     assert strategy_docs() in readme, "README parameter tables are stale: run python scripts/update_readme.py"
 
 
+def test_compile_probe_times_a_compiled_tree_forward_that_equals_the_eager_one(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "probe.json"
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "compile_probe.py"), "--pair", "tiny-random",
+                           "--dtype", "fp32", "--rows", "3", "--prefix", "16", "--repeats", "1", "--mode", "default",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["rows"] == 3 and row["eager_ms"] > 0 and row["compiled_ms"] > 0
+    assert row["max_abs_diff"] < 1e-3  # fp32: the compiled forward under the tree mask computes the eager logits
+
+
 def test_rules_bench_script_measures_every_rule(tmp_path):
     import subprocess
     import sys

@@ -107,6 +107,19 @@ def test_routing_follows_the_table():
         Router().install(["packed"])
 
 
+def test_forcing_restores_the_routing_even_after_an_error():
+    pair = tiny_random_pair("related", seed=0)
+    router = route_linears(pair.target)
+    router.install(["packed"] if "packed" in router.paths else ["plain"])
+    with pytest.raises(RuntimeError, match="inside"):
+        with kernels.forcing(pair.target, "plain"):
+            assert router.path(7) == "plain"
+            raise RuntimeError("inside")
+    assert router.forced is None and router.path(7) == router.by_rows[0]
+    with kernels.forcing(nn.Linear(2, 2), "plain"):  # a model without routed linears: nothing to force
+        pass
+
+
 def test_routed_model_keeps_ties_and_state_dict():
     pair = tiny_random_pair("related", seed=0)
     model = pair.target
