@@ -20,6 +20,7 @@ The cost of it:
 from __future__ import annotations
 
 import time
+
 import torch
 
 from engine.drafter import synchronize

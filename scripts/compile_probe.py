@@ -41,10 +41,8 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
     model = load_pair(pair_spec, None, dtype=dtype).target
     cache = StaticCache(config=model.config, max_cache_len=prefix + rows)
     ids = probe_ids(model, prefix + rows)
-    # every row sees the prefix and the rows before it: a chain is a tree, and the mask covers the whole static cache
-    visible = torch.zeros(rows, prefix + rows, dtype=torch.bool)
-    visible[:, :prefix] = True
-    visible[:, prefix:] = torch.tril(torch.ones(rows, rows, dtype=torch.bool))
+    # a chain is a tree: every row sees the prefix and the rows before it (the cache holds exactly prefix + rows)
+    visible = kv.tree_visibility(prefix, torch.tril(torch.ones(rows, rows, dtype=torch.bool)))
     inputs = {"input_ids": ids[None, prefix:], "position_ids": torch.arange(prefix, prefix + rows)[None],
               "cache_position": torch.arange(prefix, prefix + rows), "past_key_values": cache, "use_cache": True,
               "attention_mask": kv.additive_mask(visible, model.dtype)}
