@@ -6,26 +6,37 @@ the layer; on the project's 2-core CPU that made AR markedly faster (docs/experi
 wins is the machine's business, so `bench` runs this beside the eager AR and divides by whichever was faster. The
 speculative methods do not use it (their row counts change every iteration; see the README).
 
-    ar = CompiledAR(pair.target, max_len=1024)   # compiles on the first call (about a minute for 1.5B on 2 cores)
+    ar = CompiledAR(pair.target)        # compiles on first use of each cache size (about a minute for 1.5B on 2 cores)
     out = ar.generate(prompt_ids, max_new_tokens=96, sampling=Sampling(), eos_ids=(...))
 
 The cost of it:
-  * one StaticCache of `max_len` positions, owned for the object's life: the compiled graph is specialised to the
-    cache tensors it was traced with (handing it a fresh cache silently reads the old one), so every generation
-    resets and reuses the same cache, and prompts longer than `max_len - max_new_tokens` are refused;
+  * a compiled step attends over its whole static cache, filled or not, so a cache far longer than the sequence
+    slows every step (measured: ~7 ms per step for 640 unused positions of the 1.5B target). Caches therefore come
+    in sizes of `cache_step` positions, the smallest that fits prompt + new tokens, each with its own graph: the
+    graph is specialised to the cache tensors it was traced with (handing it a fresh cache silently reads the old
+    one), so each size keeps its cache for the object's life and every generation resets it;
   * the linears run their plain `F.linear` path inside the graph (inductor packs the frozen weights itself), which
-    keeps a second packed copy of the target's weights in memory;
+    keeps one more packed copy of the target's weights per cache size;
+  * attention runs as SDPA's math backend with grouped-query heads (`enable_gqa`), which inductor fuses into its own
+    kernels; transformers' default (its key/value heads repeated under a mask, then oneDNN's fused CPU attention)
+    made the step 1.1x slower on the project's CPU (scripts/compile_probe.py --variants);
   * the prefill runs eagerly (its length changes per prompt; compiling it would recompile per length).
 """
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.drafter import synchronize
 from engine.kernels import forcing
 from engine.sampling import Sampling
+
+CACHE_STEP = 384  # positions; finer steps cost a compile and a weight copy per size, coarser ones slower steps
+GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: grouped-query heads in SDPA even with a mask
 
 
 class CompileError(RuntimeError):
@@ -44,13 +55,27 @@ def compile_available(device: torch.device) -> str | None:
     return None
 
 
+@contextmanager
+def compiled_attention():
+    """Attention as the compiled step traces and runs it: SDPA's math backend, grouped-query heads unexpanded."""
+    before = os.environ.get(GQA_SWITCH)
+    os.environ[GQA_SWITCH] = "1"
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(GQA_SWITCH, None)
+        else:
+            os.environ[GQA_SWITCH] = before
+
+
 class CompiledAR:
     """Greedy or sampled decoding of `model` one row at a time with a compiled forward on a static cache."""
 
-    def __init__(self, model, max_len: int = 1024, mode: str = "max-autotune"):
+    def __init__(self, model, mode: str = "max-autotune", cache_step: int = CACHE_STEP):
         import torch._inductor.config as inductor_config
-        from transformers import StaticCache
-        self.model, self.max_len = model, int(max_len)
+        self.model, self.cache_step = model, int(cache_step)
         self.device = next(model.parameters()).device
         reason = compile_available(self.device)
         if reason:
@@ -58,45 +83,61 @@ class CompiledAR:
         # Frozen weights are constants to inductor: it picks its GEMM per weight and packs it once. (A process-wide
         # inductor setting; nothing else in the engine compiles.)
         inductor_config.freezing = True
-        self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
+        self.caches: dict[int, object] = {}  # cache size -> its StaticCache, one compiled graph each
         self.step = torch.compile(model, dynamic=False, mode=mode)
-        self.compile_s: float | None = None  # seconds the first step took (tracing + autotuning + C++ build)
+        self.compile_s: dict[int, float] = {}  # cache size -> seconds its first step took (trace, autotune, build)
+        self.limit = getattr(model.config, "max_position_embeddings", None)
+
+    def cache_size(self, total: int) -> int:
+        """The static cache a sequence of `total` positions decodes on: the smallest multiple of cache_step."""
+        if self.limit and total > self.limit:
+            raise CompileError(f"prompt + max_new_tokens ({total} positions) exceeds the model's {self.limit}")
+        return -(-total // self.cache_step) * self.cache_step
+
+    def _cache(self, total: int):
+        from transformers import StaticCache
+        size = self.cache_size(total)
+        if size not in self.caches:
+            # each size is a recompile of the same forward; past dynamo's limit it would quietly run eagerly
+            if len(self.caches) >= torch._dynamo.config.recompile_limit:
+                raise CompileError(f"the compiled AR already holds {len(self.caches)} cache sizes, torch's limit of "
+                                   "compiled graphs per function; use a larger cache_step")
+            self.caches[size] = StaticCache(config=self.model.config, max_cache_len=size)
+        return size, self.caches[size]
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None = None,
                  eos_ids: tuple[int, ...] = ()) -> dict:
-        """{"output_ids", "new_tokens", "total_s", "ttft_s", "tpot_s"}: the same stop rule as the engine's AR
-        (max_new_tokens, or an EOS token, which is kept)."""
+        """{"output_ids", "new_tokens", "total_s", "ttft_s", "tpot_s", "cache_size"}: the same stop rule as the
+        engine's AR (max_new_tokens, or an EOS token, which is kept)."""
         sampling = sampling or Sampling()
-        if len(prompt_ids) + max_new_tokens > self.max_len:
-            raise CompileError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                               f"compiled baseline's static cache of {self.max_len} positions")
+        size, cache = self._cache(len(prompt_ids) + max_new_tokens)
         generator = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
-        self.cache.reset()
+        cache.reset()
         synchronize(self.device)
         start = time.perf_counter()
         ids = torch.tensor([prompt_ids], device=self.device)
-        logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                             cache_position=torch.arange(len(prompt_ids), device=self.device)).logits[0, -1]
         out = [self._next(logits, sampling, generator)]
         synchronize(self.device)
         ttft = time.perf_counter() - start
         # inductor must see an ordinary matmul with a constant weight to choose and pack its own kernel
-        with forcing(self.model, "plain"):
+        with forcing(self.model, "plain"), compiled_attention():
             while len(out) < max_new_tokens and out[-1] not in eos_ids:
                 pos = len(prompt_ids) + len(out) - 1
-                first = time.perf_counter() if self.compile_s is None else None
+                first = time.perf_counter() if size not in self.compile_s else None
                 logits = self.step(input_ids=torch.tensor([[out[-1]]], device=self.device),
                                    position_ids=torch.tensor([[pos]], device=self.device),
                                    cache_position=torch.tensor([pos], device=self.device),
-                                   past_key_values=self.cache, use_cache=True).logits[0, -1]
+                                   past_key_values=cache, use_cache=True).logits[0, -1]
                 out.append(self._next(logits, sampling, generator))
                 if first is not None:
-                    self.compile_s = time.perf_counter() - first
+                    self.compile_s[size] = time.perf_counter() - first
         synchronize(self.device)
         total = time.perf_counter() - start
         return {"output_ids": out, "new_tokens": len(out), "total_s": total, "ttft_s": ttft,
-                "tpot_s": (total - ttft) / (len(out) - 1) if len(out) > 1 else None}
+                "tpot_s": (total - ttft) / (len(out) - 1) if len(out) > 1 else None, "cache_size": size}
 
     @staticmethod
     def _next(logits: torch.Tensor, sampling: Sampling, generator) -> int:
@@ -104,8 +145,11 @@ class CompiledAR:
             return int(logits.argmax())
         return int(torch.multinomial(sampling.process(logits[None])[0], 1, generator=generator))
 
-    def warm_up(self, prompt_ids: list[int]) -> float:
-        """Compile now (two decode steps) and return the seconds it took."""
+    def warm_up(self, prompt_ids: list[int], totals: list[int]) -> float:
+        """Compile now the step of every cache size that sequences of `totals` positions need; return the seconds.
+        Each size is warmed with a prompt that fills it but for three new tokens (`prompt_ids`, repeated)."""
         start = time.perf_counter()
-        self.generate(prompt_ids[: max(1, min(len(prompt_ids), self.max_len - 3))], 3)
+        for size in sorted({self.cache_size(t) for t in totals}):
+            if size not in self.compile_s:
+                self.generate((prompt_ids * size)[: size - 3], 3)
         return time.perf_counter() - start

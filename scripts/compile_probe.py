@@ -2,17 +2,24 @@
 
 The bench's `ar-compiled` baseline compiles the single-row step (engine/compiled.py). A speculative iteration
 instead verifies B rows under a tree mask, and B changes every iteration. This probe times, for each B asked for, one
-forward of B rows after a `--prefix`-token cache, on a static cache (a compiled graph needs fixed shapes):
+forward of B rows after a `--prefix`-token cache, both ways (a compiled graph needs fixed shapes, so a static cache):
 
-  eager     the engine's routed kernels (the path every strategy runs today)
-  compiled  torch.compile(dynamic=False) of the same forward with frozen weights and plain linears, as `ar-compiled`
-            does; with `--mode max-autotune` inductor also times its own C++ GEMMs against oneDNN per weight shape
+  eager     the engine's own verification forward: routed kernels on a dynamic cache, rolled back by row copy
+  compiled  torch.compile(dynamic=False) of the same forward as `ar-compiled` builds its step: frozen weights, plain
+            linears, SDPA's math backend with grouped-query heads, a static cache sized in `CACHE_STEP`s with its
+            unfilled positions masked; with `--mode max-autotune` inductor also times its own C++ GEMMs against
+            oneDNN per weight shape
+
+`--variants` times several compiled forms in one process beside eager: the attention (`shipped`, or `sdpa` for
+transformers' own) and the static cache's length, e.g. `shipped:384,sdpa:640`.
 
 Each B is compiled and timed in its own process: a graph is specialised to its row count, every frozen graph keeps
 its own copy of the weights, and an inductor failure (a crash inside generated code is possible) costs only that row
-count. Result: docs/experiments/compiled-ar.md, "Compiling the tree's forwards".
+count. Within a process, eager and every compiled variant are called in turn, so the machine's drift hits them all.
+Results: docs/experiments/compiled-ar.md.
 
-    python scripts/compile_probe.py --pair default --rows 4,16,32
+    python scripts/compile_probe.py --pair default --rows 4,8,16
+    python scripts/compile_probe.py --pair default --rows 1 --prefix 150 --variants shipped:384,sdpa:640
 """
 from __future__ import annotations
 
@@ -27,57 +34,103 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode: str) -> dict:
-    """{"rows", "eager_ms", "compiled_ms", "compile_s", "max_abs_diff"}: fastest of `repeats` calls each."""
+def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode: str,
+          variants: list[tuple[str, int | None]]) -> dict:
+    """{"rows", "eager_ms", "variants": [{"attention", "cache_len", "compiled_ms", "compile_s", "max_abs_diff"}]}:
+    the fastest of `repeats` calls of each, eager and every compiled variant taken in turn."""
+    import contextlib
+
     import torch
     import torch._inductor.config as inductor_config
     from transformers import StaticCache
 
     from engine import kv
+    from engine.compiled import CACHE_STEP, compiled_attention
     from engine.costs import probe_ids
     from engine.kernels import forcing
     from engine.models import load_pair
 
     model = load_pair(pair_spec, None, dtype=dtype).target
-    cache = StaticCache(config=model.config, max_cache_len=prefix + rows)
     ids = probe_ids(model, prefix + rows)
-    # a chain is a tree: every row sees the prefix and the rows before it (the cache holds exactly prefix + rows)
-    visible = kv.tree_visibility(prefix, torch.tril(torch.ones(rows, rows, dtype=torch.bool)))
-    inputs = {"input_ids": ids[None, prefix:], "position_ids": torch.arange(prefix, prefix + rows)[None],
-              "cache_position": torch.arange(prefix, prefix + rows), "past_key_values": cache, "use_cache": True,
-              "attention_mask": kv.additive_mask(visible, model.dtype)}
+    chain = torch.tril(torch.ones(rows, rows, dtype=torch.bool))  # a chain is a tree: each row sees those before
+    new = {"input_ids": ids[None, prefix:], "position_ids": torch.arange(prefix, prefix + rows)[None],
+           "use_cache": True}
 
-    def rewind() -> None:
-        # transformers' static layers write at their own running length (ignoring cache_position) and advance it
-        # in place; setting it back makes every call write the same rows after the same prefix
-        for layer in cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(prefix)
+    # eager: exactly the engine's verification (dynamic cache, routed kernels, no mask for a lone row, row rollback)
+    dynamic = kv.new_cache(model)
+    eager_mask = kv.additive_mask(kv.tree_visibility(prefix, chain), model.dtype) if rows > 1 else None
 
-    def timed(forward) -> tuple[float, torch.Tensor]:
-        best, logits = float("inf"), None
-        for _ in range(repeats):
-            rewind()
-            start = time.perf_counter()
-            logits = forward(**inputs).logits
-            best = min(best, time.perf_counter() - start)
-        return best, logits
+    def eager():
+        out = model(**new, attention_mask=eager_mask, past_key_values=dynamic)
+        kv.keep_rows(dynamic, prefix, [])
+        return out
 
-    with torch.inference_mode():
+    inductor_config.freezing = True
+    step = torch.compile(model, dynamic=False, mode=None if mode == "default" else mode)
+
+    def compiled_variant(attention: str, cache_len: int):
+        """A compiled forward on its own static cache of `cache_len` positions, the unfilled ones masked out."""
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)
         model(input_ids=ids[None, :prefix], cache_position=torch.arange(prefix), past_key_values=cache,
               use_cache=True, logits_to_keep=1)
-        timed(model)  # warm-up: the first calls allocate and pick kernels
-        eager_s, eager_logits = timed(model)
-        inductor_config.freezing = True
-        step = torch.compile(model, dynamic=False, mode=None if mode == "default" else mode)
-        with forcing(model, "plain"):
-            rewind()
+        visible = torch.zeros(rows, cache_len, dtype=torch.bool)
+        visible[:, : prefix + rows] = kv.tree_visibility(prefix, chain)
+        mask = kv.additive_mask(visible, model.dtype)
+        attend = compiled_attention if attention == "shipped" else contextlib.nullcontext  # sdpa: transformers'
+
+        def forward():
+            with forcing(model, "plain"), attend():
+                out = step(**new, attention_mask=mask, past_key_values=cache,
+                           cache_position=torch.arange(prefix, prefix + rows))
+            # transformers' static layers write at their own running length (ignoring cache_position) and advance
+            # it in place; setting it back makes every call write the same rows after the same prefix
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(prefix)
+            return out
+        return forward
+
+    def timed(forwards) -> list[tuple[float, torch.Tensor]]:
+        """Fastest of `repeats` calls of each forward, the forwards taken in turn so the machine's drift hits all."""
+        best = [(float("inf"), None)] * len(forwards)
+        for _ in range(repeats):
+            for i, forward in enumerate(forwards):
+                start = time.perf_counter()
+                logits = forward().logits
+                best[i] = (min(best[i][0], time.perf_counter() - start), logits)
+        return best
+
+    results, forwards = [], [eager]
+    with torch.inference_mode():
+        model(input_ids=ids[None, :prefix], past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+        timed([eager])  # warm-up: the first calls allocate and pick kernels
+        for attention, cache_len in variants:
+            cache_len = cache_len or -(-(prefix + rows) // CACHE_STEP) * CACHE_STEP
+            forward = compiled_variant(attention, cache_len)
             start = time.perf_counter()
-            step(**inputs)
-            compile_s = time.perf_counter() - start
-            compiled_s, compiled_logits = timed(step)
-    return {"rows": rows, "eager_ms": eager_s * 1e3, "compiled_ms": compiled_s * 1e3, "compile_s": compile_s,
-            "max_abs_diff": float((compiled_logits.float() - eager_logits.float()).abs().max())}
+            forward()
+            results.append({"attention": attention, "cache_len": cache_len,
+                            "compile_s": time.perf_counter() - start})
+            forwards.append(forward)
+        timings = timed(forwards)
+    eager_s, eager_logits = timings[0]
+    for row, (seconds, logits) in zip(results, timings[1:]):
+        row.update(compiled_ms=seconds * 1e3, max_abs_diff=float((logits.float() - eager_logits.float()).abs().max()))
+    return {"rows": rows, "eager_ms": eager_s * 1e3, "variants": results}
+
+
+def parse_variants(text: str) -> list[tuple[str, int | None]]:
+    """"shipped,sdpa:640" -> [("shipped", None), ("sdpa", 640)]. A compiled graph is bound to the cache it was
+    traced with and cannot tell two same-sized caches apart, so the variants' cache lengths must all differ."""
+    variants = []
+    for item in text.split(","):
+        attention, _, length = item.partition(":")
+        if attention not in ("shipped", "sdpa"):
+            raise SystemExit(f"--variants: attention must be shipped or sdpa, got {attention!r}")
+        variants.append((attention, int(length) if length else None))
+    lengths = [length for _, length in variants]
+    if len(variants) > 1 and (None in lengths or len(set(lengths)) < len(lengths)):
+        raise SystemExit("--variants: with several variants give each its own cache length (shipped:384,sdpa:640)")
+    return variants
 
 
 def main() -> int:
@@ -88,17 +141,26 @@ def main() -> int:
     parser.add_argument("--prefix", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mode", default="max-autotune", choices=("max-autotune", "default"))
+    parser.add_argument("--variants", default="shipped",
+                        help="compiled variants timed in one process beside eager, as ATTENTION[:CACHE_LEN],...: "
+                             "shipped = the compiled AR's attention (engine.compiled.compiled_attention), sdpa = "
+                             "transformers' default (fused CPU kernel, heads repeated under a mask); the cache "
+                             "length defaults to what the compiled AR would use")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process: probe one B, print JSON
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(probe(args.pair, args.dtype, args.one, args.prefix, args.repeats, args.mode)))
+        print(json.dumps(probe(args.pair, args.dtype, args.one, args.prefix, args.repeats, args.mode,
+                               parse_variants(args.variants))))
         return 0
+    parse_variants(args.variants)
     results = []
-    print(f"{'rows':>5s} {'eager ms':>9s} {'compiled ms':>12s} {'speedup':>8s} {'compile s':>10s} {'max |diff|':>11s}")
+    print(f"{'rows':>5s} {'eager ms':>9s} {'variant':>12s} {'compiled ms':>12s} {'speedup':>8s} {'compile s':>10s} "
+          f"{'max |diff|':>11s}")
     for rows in (int(r) for r in args.rows.split(",")):
         child = [sys.executable, __file__, "--one", str(rows), "--pair", args.pair, "--dtype", args.dtype,
-                 "--prefix", str(args.prefix), "--repeats", str(args.repeats), "--mode", args.mode]
+                 "--prefix", str(args.prefix), "--repeats", str(args.repeats), "--mode", args.mode,
+                 "--variants", args.variants]
         proc = subprocess.run(child, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
@@ -108,11 +170,13 @@ def main() -> int:
             continue
         row = json.loads(lines[-1])
         results.append(row)
-        print(f"{rows:5d} {row['eager_ms']:9.1f} {row['compiled_ms']:12.1f} "
-              f"{row['eager_ms'] / row['compiled_ms']:7.2f}× {row['compile_s']:10.0f} {row['max_abs_diff']:11.3g}")
+        for v in row["variants"]:
+            name = f"{v['attention']}:{v['cache_len']}"
+            print(f"{rows:5d} {row['eager_ms']:9.1f} {name:>12s} {v['compiled_ms']:12.1f} "
+                  f"{row['eager_ms'] / v['compiled_ms']:7.2f}× {v['compile_s']:10.0f} {v['max_abs_diff']:11.3g}")
     if args.json:
         Path(args.json).write_text(json.dumps({"pair": args.pair, "mode": args.mode, "prefix": args.prefix,
-                                               "rows": results}, indent=1))
+                                               "variants": args.variants, "rows": results}, indent=1))
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -92,11 +92,15 @@ def test_compile_probe_times_a_compiled_tree_forward_that_equals_the_eager_one(t
     out = tmp_path / "probe.json"
     proc = subprocess.run([sys.executable, str(root / "scripts" / "compile_probe.py"), "--pair", "tiny-random",
                            "--dtype", "fp32", "--rows", "3", "--prefix", "16", "--repeats", "1", "--mode", "default",
+                           "--variants", "shipped:64,sdpa:384",
                            "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     [row] = json.loads(out.read_text())["rows"]
-    assert row["rows"] == 3 and row["eager_ms"] > 0 and row["compiled_ms"] > 0
-    assert row["max_abs_diff"] < 1e-3  # fp32: the compiled forward under the tree mask computes the eager logits
+    assert row["rows"] == 3 and row["eager_ms"] > 0
+    assert [(v["attention"], v["cache_len"]) for v in row["variants"]] == [("shipped", 64), ("sdpa", 384)]
+    for variant in row["variants"]:  # 19 positions filled: the masked, unfilled rest of each cache counts too
+        assert variant["compiled_ms"] > 0
+        assert variant["max_abs_diff"] < 1e-3  # fp32: the compiled forward under the tree mask gives eager's logits
 
 
 def test_rules_bench_script_measures_every_rule(tmp_path):
@@ -161,3 +165,13 @@ def test_bench_compares_presets_of_one_strategy(tmp_path, monkeypatch, capsys, r
     assert run_method(related_pair, "linear", "def f(x):", 4, preset="cpu")["result"].params["k"] == cpu
     assert main(["bench", "--pair", "tiny-random", "--strategies", "ar,linear@fast"]) != 0
     assert "linear has no preset 'fast'" in capsys.readouterr().err
+
+
+def test_compile_probe_refuses_variants_that_would_share_a_graph():
+    """Two compiled variants on same-sized caches would silently share one graph (and one cache): refused."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "compile_probe.py"), "--pair", "tiny-random",
+                           "--variants", "shipped:384,sdpa:384"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "its own cache length" in proc.stderr

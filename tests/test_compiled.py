@@ -1,8 +1,10 @@
 """The ar-compiled baseline (engine/compiled.py): the compiled step decodes what the engine's AR decodes."""
+import os
+
 import pytest
 import torch
 
-from engine.compiled import CompileError, CompiledAR, compile_available
+from engine.compiled import GQA_SWITCH, CompileError, CompiledAR, compile_available, compiled_attention
 from engine.decoder import Decoder, encode_prompt
 from engine.kernels import router_of
 from engine.models import tiny_random_pair
@@ -18,7 +20,7 @@ def compiled():
     so the routed linears' switch to their plain path inside the graph is exercised too."""
     pair = tiny_random_pair(None, seed=0, dtype=torch.float32, packed=True)
     router_of(pair.target).install(["packed"])
-    return pair, CompiledAR(pair.target, max_len=128)
+    return pair, CompiledAR(pair.target, cache_step=64)
 
 
 def engine_ar(pair, prompt, n, sampling=None, stop_on_eos=False):
@@ -28,11 +30,13 @@ def engine_ar(pair, prompt, n, sampling=None, stop_on_eos=False):
 
 def test_greedy_equals_the_engine_ar_token_for_token(compiled):
     pair, ar = compiled
-    for prompt in (PROMPT, "hello", "x" * 40):  # prompts of other lengths reuse the same graph and cache
+    sizes = []
+    for prompt in (PROMPT, "hello", "x" * 40, PROMPT):  # two cache sizes, each graph used again after the other
         out = ar.generate(encode_prompt(pair.tokenizer, prompt), 40)
         assert out["output_ids"] == engine_ar(pair, prompt, 40).output_ids
         assert out["new_tokens"] == 40 and out["tpot_s"] > 0 and out["ttft_s"] < out["total_s"]
-    assert ar.compile_s is not None and ar.compile_s > 0
+        sizes.append(out["cache_size"])
+    assert sizes == [64, 64, 128, 64] and set(ar.compile_s) == {64, 128} and min(ar.compile_s.values()) > 0
     assert router_of(pair.target).forced is None  # the plain path was forced only while compiled code ran
 
 
@@ -52,8 +56,37 @@ def test_stops_at_eos_and_refuses_what_does_not_fit(compiled):
     eos = free[5]
     out = ar.generate(ids, 30, eos_ids=(eos,))["output_ids"]
     assert out == free[: free.index(eos) + 1]
-    with pytest.raises(CompileError, match="static cache of 128 positions"):
-        ar.generate(ids, 128)
+    with pytest.raises(CompileError, match="exceeds the model's 2048"):
+        ar.generate(ids, 2048)
+
+
+def test_cache_sizes_round_up_and_warm_up_compiles_each_once(compiled):
+    pair, ar = compiled
+    assert [ar.cache_size(t) for t in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 192]
+    ar.warm_up(encode_prompt(pair.tokenizer, PROMPT), [70, 150, 190])
+    assert {128, 192} <= set(ar.compile_s)
+    ids = encode_prompt(pair.tokenizer, "y" * 100)
+    assert ar.cache_size(len(ids) + 40) == 192
+    assert ar.generate(ids, 40)["output_ids"] == engine_ar(pair, "y" * 100, 40).output_ids
+
+
+def test_a_cache_size_past_torchs_recompile_limit_is_refused(compiled, monkeypatch):
+    """Past dynamo's limit a new size would silently run eagerly, and the baseline would no longer be compiled."""
+    pair, ar = compiled
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", len(ar.caches))
+    with pytest.raises(CompileError, match="cache sizes"):
+        ar.generate(encode_prompt(pair.tokenizer, PROMPT), 64 * (max(ar.caches) // 64 + 1))
+
+
+def test_compiled_attention_sets_and_restores_the_gqa_switch(monkeypatch):
+    monkeypatch.delenv(GQA_SWITCH, raising=False)
+    with compiled_attention():
+        assert os.environ[GQA_SWITCH] == "1"
+    assert GQA_SWITCH not in os.environ
+    monkeypatch.setenv(GQA_SWITCH, "0")
+    with pytest.raises(KeyError), compiled_attention():
+        raise KeyError
+    assert os.environ[GQA_SWITCH] == "0"
 
 
 def test_compile_is_refused_with_a_reason_off_cpu():
