@@ -55,6 +55,11 @@ def compile_available(device: torch.device) -> str | None:
     return None
 
 
+def round_to_step(total: int, step: int = CACHE_STEP) -> int:
+    """The static cache length for `total` positions: the smallest whole number of `step`s that holds them."""
+    return -(-total // step) * step
+
+
 @contextmanager
 def compiled_attention():
     """Attention as the compiled step traces and runs it: SDPA's math backend, grouped-query heads unexpanded."""
@@ -92,7 +97,7 @@ class CompiledAR:
         """The static cache a sequence of `total` positions decodes on: the smallest multiple of cache_step."""
         if self.limit and total > self.limit:
             raise CompileError(f"prompt + max_new_tokens ({total} positions) exceeds the model's {self.limit}")
-        return -(-total // self.cache_step) * self.cache_step
+        return round_to_step(total, self.cache_step)
 
     def _cache(self, total: int):
         from transformers import StaticCache

@@ -45,7 +45,7 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
     from transformers import StaticCache
 
     from engine import kv
-    from engine.compiled import CACHE_STEP, compiled_attention
+    from engine.compiled import compiled_attention, round_to_step
     from engine.costs import probe_ids
     from engine.kernels import forcing
     from engine.models import load_pair
@@ -104,7 +104,7 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
         model(input_ids=ids[None, :prefix], past_key_values=dynamic, use_cache=True, logits_to_keep=1)
         timed([eager])  # warm-up: the first calls allocate and pick kernels
         for attention, cache_len in variants:
-            cache_len = cache_len or -(-(prefix + rows) // CACHE_STEP) * CACHE_STEP
+            cache_len = cache_len or round_to_step(prefix + rows)
             forward = compiled_variant(attention, cache_len)
             start = time.perf_counter()
             forward()
