@@ -16,7 +16,8 @@ import argparse
 import logging
 import os
 
-from treeviz.backend import BACKEND, GPU_PRESET
+from treeviz.pairs import GPU_PRESET
+from treeviz.runs import BACKEND
 from treeviz.ui import build_demo, launch_kwargs
 
 

@@ -10,20 +10,20 @@ iterations.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 
 from engine.compiled import CompiledAR, compile_available
-from engine.decoder import Decoder, encode_prompt
-from engine.drafter import synchronize
 from engine.metrics import DRIFT_TOLERANCE, compare_outputs, cost_drift, drift_off
 from engine.models import ModelPair
-from engine.prompts import load_prompt_set
+from engine.prompts import encode_prompt, load_prompt_set
+from engine.runtime import synchronize
 from engine.sampling import Sampling
-from engine.strategies import make_strategy
+from engine.session import RunSpec, generate
 from engine.trace import RunResult
-from engine.verify import make_verifier
+from engine.verify import Verifier
 
 HF_ASSISTED = "hf-assisted"
 AR_COMPILED = "ar-compiled"
@@ -55,7 +55,9 @@ def split_method(method: str, preset: str = "cpu") -> tuple[str, str]:
 
 def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset: str = "cpu",
                params: dict | None = None, sampling: Sampling | None = None,
-               verifier: str | None = None, compiled: CompiledAR | None = None) -> dict[str, Any]:
+               verifier: str | Verifier | None = None, compiled: CompiledAR | None = None) -> dict[str, Any]:
+    """One run of `method` on `prompt`. `params` maps a strategy's name to its parameters; `verifier` is a rule's
+    name, or a Verifier instance (scripts/rules_bench.py wraps rules to record acceptance)."""
     sampling = sampling or Sampling()
     if method == AR_COMPILED:
         if compiled is None:
@@ -66,12 +68,11 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
         if not sampling.greedy:
             raise ValueError("the hf-assisted baseline is benchmarked greedily only; drop it or use --temperature 0")
         return hf_assisted(pair, prompt, max_new_tokens)
-    method, preset = split_method(method, preset)
-    strategy = make_strategy(method, preset, **(params or {}).get(method, {}))
-    # verifier: a rule's name, or a Verifier instance (scripts/rules_bench.py wraps rules to record acceptance)
-    rule = None if not verifier or method == "ar" else (
-        make_verifier(verifier) if isinstance(verifier, str) else verifier)
-    result = Decoder(pair, strategy, rule, sampling).generate(prompt, max_new_tokens=max_new_tokens)
+    name, preset = split_method(method, preset)
+    spec = RunSpec(pair=pair.target_name, prompt=prompt, strategy=name, preset=preset,
+                   params=(params or {}).get(name, {}), max_new_tokens=max_new_tokens, **sampling.as_dict(),
+                   verifier=verifier if isinstance(verifier, str) and verifier else "auto")
+    result = generate(pair, spec, verifier if isinstance(verifier, Verifier) else None)
     return {"output_ids": result.output_ids, "new_tokens": len(result.output_ids),
             "total_s": result.metrics["total_s"], "result": result}
 
@@ -230,10 +231,29 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def compare_with_ar(pair: ModelPair, result: RunResult, prompt, max_new_tokens: int, **stop) -> dict[str, Any]:
-    reference = Decoder(pair, make_strategy("ar")).generate(prompt, max_new_tokens=max_new_tokens, **stop)
+def compare_with_ar(pair: ModelPair, spec: RunSpec, repeats: int = 1) -> RunResult:
+    """`spec` against AR on the same prompt and settings, measured like the bench: one short warm-up run of each
+    first (excluded: first calls pay for allocator growth and kernel selection), then `repeats` runs of each,
+    interleaved (AR, method, AR, method, ...) so the machine's drift hits both alike. The fastest run of each is
+    compared: the method's is returned, its `comparison` (speedup, exact match) and metrics["speedup_vs_ar"] set."""
+    if repeats < 1:
+        raise ValueError(f"compare with AR needs at least one run of each, got {repeats}")
+    ar = spec.as_method("ar")
+    for warm in (ar, spec):
+        generate(pair, replace(warm, max_new_tokens=min(8, warm.max_new_tokens)))
+    ar_runs, runs = [], []
+    for _ in range(repeats):
+        ar_runs.append(generate(pair, ar))
+        runs.append(generate(pair, spec))
+    result, reference = fastest(runs), fastest(ar_runs)
     comparison = compare_outputs(result, reference)
+    comparison.update(runs_each=repeats, ar_tokens_per_s=reference.metrics["tokens_per_s"])
     result.comparison = comparison
     if "speedup_vs_ar" in comparison:
         result.metrics["speedup_vs_ar"] = comparison["speedup_vs_ar"]
-    return comparison
+    return result
+
+
+def fastest(runs: list[RunResult]) -> RunResult:
+    """The run with the highest tokens/s: the one the busy machine disturbed least."""
+    return max(runs, key=lambda r: r.metrics["tokens_per_s"] or 0.0)

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 from engine.metrics import drift_warning
+from engine.models import PAIRS
 from engine.sampling import Sampling
-from engine.strategies import STRATEGIES, StrategyError, make_strategy
-from engine.verify import make_verifier
+from engine.session import RunSpec, check_spec, split_pair, start_run
+from engine.strategies import STRATEGIES, StrategyError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +63,7 @@ def param_flag(strategy_name: str, param) -> str:
 
 
 def strategy_docs() -> str:
-    """The README's per-strategy parameter tables, generated from the declarations (tests keep the README in sync)."""
+    """docs/strategies.md's per-strategy parameter tables, generated from the declarations (tests keep them in sync)."""
     blocks = []
     for cls in STRATEGIES.values():
         lines = [f"**`{cls.name}`** — {cls.label}. {cls.summary}"]
@@ -120,17 +121,23 @@ def _preset(args, strategies: list[str]) -> str:
     return "cpu" if any(getattr(args, f"param_{k}", None) is not None for k in knobs) else "auto"
 
 
-def _load(args):
-    from engine.models import PAIRS, load_pair
+def _models(args) -> tuple[str, str | None]:
+    """(target, draft) from --pair (a named pair) and --target/--draft, which override it. Without a draft,
+    "default" and "tiny-random" draft with their pair's own draft; any other target runs AR only."""
+    target, draft = "default", None
     if args.pair:
         if args.pair not in PAIRS:
             raise SystemExit(f"error: unknown pair {args.pair!r}; choose from {', '.join(PAIRS)}")
-        target, draft = PAIRS[args.pair]
-    else:
-        target, draft = args.target or "default", args.draft
+        target, draft = split_pair(args.pair)
     target, draft = args.target or target, args.draft or draft
-    if draft is None:
-        draft = target if target in ("default", "tiny-random") else None
+    if draft is None and target in ("default", "tiny-random"):
+        draft = target
+    return target, draft
+
+
+def _load(args):
+    from engine.models import load_pair
+    target, draft = _models(args)
 
     def progress(fraction: float, message: str) -> None:
         print(f"[{fraction * 100:5.1f}%] {message}", file=sys.stderr, flush=True)
@@ -142,50 +149,48 @@ def _load(args):
     return pair
 
 
-def cmd_generate(args) -> int:
-    from engine.bench import compare_with_ar
-    from engine.decoder import Decoder
-    if args.prompt_file:
-        prompt = Path(args.prompt_file).read_text()
-    else:
-        prompt = args.prompt
+def _run_spec(args) -> RunSpec:
+    """The generate command's run, checked before any model loads."""
+    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
     if prompt is None:
         raise SystemExit("error: give --prompt TEXT or --prompt-file F")
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
-    strategy = make_strategy(args.strategy, _preset(args, [args.strategy]), **_strategy_params(args, args.strategy))
-    sampling = _sampling(args)
-    verifier = make_verifier(args.verifier) if args.verifier else None
+    target, draft = _models(args)
+    spec = RunSpec(pair=args.pair or (f"{target} + {draft}" if draft else target), prompt=prompt,
+                   strategy=args.strategy, preset=_preset(args, [args.strategy]),
+                   params=_strategy_params(args, args.strategy), max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                   verifier=args.verifier or "auto", stop_on_eos=not args.no_eos, stop_strings=tuple(args.stop or ()))
+    check_spec(spec)
+    return spec
+
+
+def _iteration_line(record) -> str:
+    cost = record.cost
+    vs = (f"  draft+verify predicted {cost.predicted_s * 1000:6.1f} / measured {cost.measured_s * 1000:6.1f} ms"
+          if cost is not None else "")
+    return (f"iter {record.index:4d}  drafted {record.drafted:4d}  accepted {record.accepted:3d}  "
+            f"+{record.committed} tokens  {record.times['total'] * 1000:7.1f} ms{vs}")
+
+
+def cmd_generate(args) -> int:
+    from engine.bench import compare_with_ar
+    spec = _run_spec(args)
     pair = _load(args)
-    stop = {"stop_on_eos": not args.no_eos, "stop_strings": tuple(args.stop or ())}
-    run = Decoder(pair, strategy, verifier, sampling).run(prompt, max_new_tokens=args.max_new_tokens, **stop)
-    for record in run:
-        if args.verbose:
-            cost = record.extra.get("cost")
-            vs = (f"  draft+verify predicted {cost['predicted_s'] * 1000:6.1f} / measured "
-                  f"{cost['measured_s'] * 1000:6.1f} ms" if cost else "")
-            print(f"iter {record.index:4d}  drafted {record.drafted:4d}  accepted {record.accepted:3d}  "
-                  f"+{record.committed} tokens  {record.times['total'] * 1000:7.1f} ms{vs}", file=sys.stderr)
-    result = run.result
     if args.compare_ar:
-        compare_with_ar(pair, result, prompt, args.max_new_tokens, **stop)
+        result = compare_with_ar(pair, spec, args.compare_repeats)
+        if args.verbose:  # the kept run's iterations (the runs decode silently: printing is not decoding time)
+            for record in result.iterations:
+                print(_iteration_line(record), file=sys.stderr)
+    else:
+        run = start_run(pair, spec)
+        for record in run:
+            if args.verbose:
+                print(_iteration_line(record), file=sys.stderr)
+        result = run.result
     print(result.output_text)
-    m = result.metrics
-    summary = (f"\n[{result.strategy}] {m['new_tokens']} tokens in {m['total_s']:.2f} s = {m['tokens_per_s']:.2f} "
-               f"tok/s | L̄ {m['mean_tokens_per_iter']:.2f} | ℓ̄ {m['mean_accepted_len']:.2f} | "
-               f"iterations {m['iterations']} | TTFT {m['ttft_s']:.3f} s")
-    if m.get("acceptance_rate") is not None:
-        summary += f" | acceptance {m['acceptance_rate']:.2f}"
-    if result.comparison:
-        c = result.comparison
-        summary += f"\nvs AR: speedup {c.get('speedup_vs_ar', float('nan')):.2f}×, exact match {c['exact_match']}"
-        if not c["exact_match"]:
-            summary += f" (first divergence at token {c['first_divergence']}, AR top-2 margin " \
-                       f"{c.get('reference_margin')})"
-    warning = drift_warning(m.get("cost_drift") or {})
-    if warning:
-        summary += f"\nnote: {warning}"
-    print(summary, file=sys.stderr)
+    print(_summary(result), file=sys.stderr)
     if args.json:
         data = result.to_dict()
         data["metrics"] = result.metrics
@@ -194,6 +199,29 @@ def cmd_generate(args) -> int:
         Path(args.json).write_text(json.dumps(data, ensure_ascii=False, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _summary(result) -> str:
+    m = result.metrics
+    summary = (f"\n[{result.strategy}] {m['new_tokens']} tokens in {m['total_s']:.2f} s = {m['tokens_per_s']:.2f} "
+               f"tok/s | L̄ {m['mean_tokens_per_iter']:.2f} | ℓ̄ {m['mean_accepted_len']:.2f} | "
+               f"iterations {m['iterations']} | TTFT {m['ttft_s']:.3f} s")
+    if m.get("acceptance_rate") is not None:
+        summary += f" | acceptance {m['acceptance_rate']:.2f}"
+    if result.comparison:
+        c = result.comparison
+        runs = "one run of each" if c["runs_each"] == 1 else \
+            f"the fastest of {c['runs_each']} runs of each, alternating with AR"
+        summary += (f"\nvs AR: speedup {c.get('speedup_vs_ar', float('nan')):.2f}× (AR "
+                    f"{c['ar_tokens_per_s']:.2f} tok/s; {runs}, after a warm-up run of each), "
+                    f"exact match {c['exact_match']}")
+        if not c["exact_match"]:
+            summary += f" (first divergence at token {c['first_divergence']}, AR top-2 margin " \
+                       f"{c.get('reference_margin')})"
+    warning = drift_warning(m.get("cost_drift") or {})
+    if warning:
+        summary += f"\nnote: {warning}"
+    return summary
 
 
 def cmd_bench(args) -> int:
@@ -242,7 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-sequence token")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--compare-ar", action="store_true", help="also run AR on the prompt: speedup and exact match")
+    g.add_argument("--compare-ar", action="store_true",
+                   help="also run AR on the prompt: speedup and exact match. Both are warmed up first, then run "
+                        "interleaved (AR, method, ...) --compare-repeats times; the fastest run of each is compared")
+    g.add_argument("--compare-repeats", type=int, default=1, help="runs of each with --compare-ar (default 1)")
     g.add_argument("--json", help="write the run (metrics + per-iteration records) to this file")
     g.add_argument("-v", "--verbose", action="store_true", help="print one line per iteration")
     _add_sampling_args(g)

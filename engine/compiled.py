@@ -4,7 +4,7 @@ The engine's eager AR step spends ~90 % of its time in oneDNN's linear kernels. 
 `max-autotune` times its own C++ micro-GEMMs against them per weight shape, keeps the faster, and fuses the rest of
 the layer; on the project's 2-core CPU that made AR markedly faster (docs/experiments/compiled-ar.md). Whether it
 wins is the machine's business, so `bench` runs this beside the eager AR and divides by whichever was faster. The
-speculative methods do not use it (their row counts change every iteration; see the README).
+speculative methods do not use it (their row counts change every iteration; see docs/engine.md).
 
     ar = CompiledAR(pair.target)        # compiles on first use of each cache size (about a minute for 1.5B on 2 cores)
     out = ar.generate(prompt_ids, max_new_tokens=96, sampling=Sampling(), eos_ids=(...))
@@ -31,8 +31,8 @@ from contextlib import contextmanager
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.drafter import synchronize
 from engine.kernels import forcing
+from engine.runtime import synchronize
 from engine.sampling import Sampling
 
 CACHE_STEP = 384  # positions; finer steps cost a compile and a weight copy per size, coarser ones slower steps

@@ -1,18 +1,19 @@
 """Measured forward costs: what one target or draft forward of n rows costs on this machine, per kernel path.
 
-Speculative decoding pays off by L̄ / (t(n) + d·c) (DESIGN.md §7), and both c (draft step / target step) and t(n)
-(verifying n rows / target step) are properties of the CPU, the models and the kernels. So they are measured, once
-per (machine, model, dtype, torch version, threads), and cached on disk in cache_dir()/costs; `recalibrate=True`
-measures again.
+Speculative decoding pays off by L̄ / (t(n) + d·c) (ARCHITECTURE.md, *Performance model*), and both c (draft
+step / target step) and t(n) (verifying n rows / target step) are properties of the CPU, the models and the kernels.
+So they are measured, once per (machine, model, dtype, torch version, threads), and cached on disk in
+cache_dir()/costs; `recalibrate=True` measures again.
 
-A measurement: fill a KV cache with a realistic prefix (PREFIX tokens), then time forwards of 1, 2, 4, ... 64 rows
-over it with the verification's additive mask, each path forced in turn (engine/kernels.py), fastest of REPEATS
+A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each of CONTEXTS), then time forwards
+of 1, 2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/kernels.py),
+fastest of REPEATS
 (after one discarded warm-up call per path). The cache is rolled back after each call, so every call sees the same
 prefix. On CUDA, timing synchronises the device and the only path is torch's own.
 
 The table then decides three things: the routing (each row count to its fastest path), the predicted cost of an
-iteration (Σ draft forwards at their row counts + verification at the tree's size), and the `auto` presets
-(engine/autosize.py).
+iteration (Σ draft forwards at their row counts + verification at the tree's size, interpolated between the
+measured context lengths), and the `auto` presets (engine/autosize.py).
 """
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ from pathlib import Path
 import torch
 
 from engine import kv
-from engine.drafter import synchronize
 from engine.kernels import PATHS, forcing, router_of, step_bytes
+from engine.runtime import cache_dir, synchronize
 
 LADDER = (1, 2, 4, 8, 16, 32, 64)
 PREFIX = 300
+# Further context lengths measured beside PREFIX (attention's share of a forward grows with the cache), stored in the
+# same file under "contexts" so a table cached before they existed still loads and only they are measured.
+CONTEXTS = (1200,)
 REPEATS = 3
 FORMAT = 2  # bump when the meaning of a cached table changes
 _STREAM_BYTES = 1 << 30  # streaming-read probe: large enough to defeat every cache level
@@ -83,7 +87,6 @@ def table_key(model, name: str, dtype: torch.dtype, device: torch.device) -> dic
 
 
 def _key_file(key: dict) -> Path:
-    from engine.models import cache_dir
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "costs" / f"{digest}.json"
 
@@ -112,12 +115,18 @@ class ModelCosts:
     measured: bool = False  # measured in this process (False: read from the disk cache)
     step_bytes: int = 0  # linear weight bytes one single-row step reads on the installed routing
     busy: float | None = None  # 1-minute load average per core when measured: above ~0.5 other work shared the CPU
+    contexts: dict[int, dict[str, dict[int, float]]] = field(default_factory=dict)  # other context lengths' tables
 
-    def time(self, rows: int, path: str | None = None) -> float:
-        """Seconds of a forward of `rows` rows on `path` (default: the fastest path for that row count)."""
-        if path is not None:
-            return interpolate(self.seconds[path], rows)
-        return min(interpolate(points, rows) for points in self.seconds.values())
+    def time(self, rows: int, path: str | None = None, context: int | None = None) -> float:
+        """Seconds of a forward of `rows` rows on `path` (default: the fastest path for that row count) over a cache
+        of `context` tokens (default PREFIX): linear in rows between rungs, then linear in context between the
+        measured context lengths (flat below the first, the last slope beyond)."""
+        tables = {PREFIX: self.seconds, **self.contexts} if context is not None else {PREFIX: self.seconds}
+        at = {}
+        for length, seconds in tables.items():
+            at[length] = (interpolate(seconds[path], rows) if path is not None else
+                          min(interpolate(points, rows) for points in seconds.values()))
+        return interpolate(at, context if context is not None else PREFIX)
 
     def best_path(self, rows: int) -> str:
         return min(self.seconds, key=lambda p: interpolate(self.seconds[p], rows))
@@ -185,23 +194,37 @@ def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, reca
     key = table_key(model, name, dtype, device)
     file = _key_file(key)
     stored: dict[str, dict[int, float]] = {}
+    others: dict[int, dict[str, dict[int, float]]] = {}
     busy = None
     if file.is_file() and not recalibrate:
         try:
             data = json.loads(file.read_text())
             if data.get("key") == key:
-                stored = {p: {int(r): s for r, s in v.items()} for p, v in data["seconds"].items()}
+                stored = _table(data["seconds"])
+                others = {int(c): _table(t) for c, t in data.get("contexts", {}).items()}
                 busy = data.get("busy")
         except (OSError, ValueError, KeyError, AttributeError):
-            stored = {}  # a damaged cache entry is measured again
-    missing = [p for p in paths if set(stored.get(p, {})) != set(LADDER)]
-    if missing:
-        before = _busy()
-        stored.update(measure_fn(model, missing))
-        after = _busy()
-        busy = max(b for b in (before, after, busy) if b is not None) if before is not None else None
-        _write_json(file, {"key": key, "seconds": stored, "measured_at": time.time(), "busy": busy})
-    return ModelCosts(name, {p: stored[p] for p in paths}, measured=bool(missing), busy=busy)
+            stored, others = {}, {}  # a damaged cache entry is measured again
+    measured = False
+    for context, table in [(PREFIX, stored)] + [(c, others.setdefault(c, {})) for c in CONTEXTS]:
+        missing = [p for p in paths if set(table.get(p, {})) != set(LADDER)]
+        if missing:
+            before = _busy()
+            table.update(measure_fn(model, missing) if context == PREFIX else
+                         measure_fn(model, missing, prefix=context))
+            after = _busy()
+            busy = max(b for b in (before, after, busy) if b is not None) if before is not None else None
+            measured = True
+    if measured:
+        _write_json(file, {"key": key, "seconds": stored, "contexts": {str(c): t for c, t in others.items()},
+                           "measured_at": time.time(), "busy": busy})
+    return ModelCosts(name, {p: stored[p] for p in paths}, measured=measured, busy=busy,
+                      contexts={c: {p: t[p] for p in paths} for c, t in others.items() if c in CONTEXTS})
+
+
+def _table(data: dict) -> dict[str, dict[int, float]]:
+    """A table read from JSON (row counts are string keys there)."""
+    return {p: {int(r): s for r, s in v.items()} for p, v in data.items()}
 
 
 def _busy() -> float | None:
@@ -277,10 +300,12 @@ class PairCosts:
     def t(self, rows: int) -> float:
         return self.target.time(rows) / self.step
 
-    def predict(self, draft_rows: list[int], verify_rows: int) -> dict[str, float]:
-        """Predicted seconds of an iteration: each draft forward at its row count + one verification."""
-        draft = sum(self.draft.time(r) for r in draft_rows) if self.draft is not None and draft_rows else 0.0
-        verify = self.target.time(verify_rows)
+    def predict(self, draft_rows: list[int], verify_rows: int, context: int | None = None) -> dict[str, float]:
+        """Predicted seconds of an iteration at `context` committed tokens (default: the table's PREFIX): each draft
+        forward at its row count + one verification."""
+        draft = (sum(self.draft.time(r, context=context) for r in draft_rows)
+                 if self.draft is not None and draft_rows else 0.0)
+        verify = self.target.time(verify_rows, context=context)
         return {"draft_s": draft, "verify_s": verify, "total_s": draft + verify}
 
     def ar_bandwidth(self) -> float:

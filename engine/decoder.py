@@ -19,46 +19,21 @@ import torch
 
 from engine import kv
 from engine.autosize import AutoSizer
-from engine.drafter import Drafter, softmax_processor, synchronize
+from engine.drafter import Drafter, softmax_processor
 from engine.metrics import run_metrics
-from engine.strategies.base import Strategy
-from engine.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationRecord, NodeRecord,
-                          RunResult)
+from engine.prompts import Prompt, PromptError, encode_prompt, prompt_text
+from engine.records import iteration_cost, iteration_record, margins
+from engine.runtime import synchronize
 from engine.sampling import Sampling
 from engine.selector import FeatureTaps
+from engine.steps import DynamicSteps, capacity, choose_buckets, largest_rung, make_steps, wants_static
+from engine.strategies.base import Strategy
+from engine.trace import IterationRecord, RunResult
 from engine.tree import DraftTree
 from engine.verify import VerificationError, Verifier, default_verifier
 
 if TYPE_CHECKING:
     from engine.models import ModelPair
-
-Prompt = str | list[dict[str, str]]  # plain text, or chat messages rendered with the tokenizer's chat template
-
-
-class PromptError(ValueError):
-    """A prompt that cannot be decoded from (empty, or longer than the model allows)."""
-
-
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    if isinstance(prompt, list):
-        if not prompt or not any(str(m.get("content", "")).strip() for m in prompt):
-            raise PromptError("the chat prompt is empty: write a message first")
-        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        ids = out["input_ids"] if hasattr(out, "keys") else out
-        ids = list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
-    else:
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise PromptError("the prompt is empty: type some text to continue")
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise PromptError("the prompt encodes to no tokens")
-    return [int(i) for i in ids]
-
-
-def prompt_text(prompt: Prompt) -> str:
-    if isinstance(prompt, list):
-        return "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in prompt)
-    return prompt
 
 
 @dataclass
@@ -85,16 +60,35 @@ class StopRule:
 
 
 @dataclass
+class RunState:
+    """Everything one run holds while it decodes; its DecodeRun owns it, the decoder's steps read and extend it."""
+    prompt_ids: list[int]
+    target: Any                         # the target's steps (engine/steps.py): its forwards and its KV cache,
+                                        # which holds the committed tokens before the root (in neither cache)
+    drafter: Drafter | None             # the draft side and its own cache; None for a strategy without a draft
+    generator: torch.Generator | None   # every random draw of the run when sampling, seeded with sampling.seed
+    taps: FeatureTaps | None            # the neural selector's features, only when the strategy wants them
+    sizer: AutoSizer | None             # the "auto" preset: the size knob follows measured costs and acceptance
+    started: float = 0.0                # perf_counter() when decoding began (the prefill)
+    ttft: float = 0.0                   # seconds to the first token
+    generated: list[int] = field(default_factory=list)         # committed output tokens so far
+    records: list[IterationRecord] = field(default_factory=list)
+    sources: list[dict[str, Any]] = field(default_factory=list)  # per output token: iteration, kind, margin, text
+    stop_reason: str = ""               # set when decoding must stop ("eos", "max_new_tokens", "stop_string")
+
+    @property
+    def target_cache(self):
+        return self.target.cache
+
+
+@dataclass
 class DecodeRun:
     """One decoding run; iterate it to decode. `result` is set when iteration ends."""
     decoder: "Decoder"
     prompt: Prompt
     stop: StopRule
     result: RunResult | None = field(default=None, init=False)
-    generated: list[int] = field(default_factory=list, init=False)  # committed output tokens so far
-    # what snapshot() needs while decoding (prompt ids, records, sources, ttft); set after the prefill
-    progress: dict[str, Any] | None = field(default=None, init=False, repr=False)
-    started: float = field(default=0.0, init=False, repr=False)  # perf_counter() when decoding began
+    state: RunState | None = field(default=None, init=False, repr=False)  # set once the prefill has run
     # Seconds the consumer held the run between steps (drawing figures, streaming): not decoding time, so the
     # run's wall time (tokens/s, TPOT) leaves them out and a streamed run compares fairly with a silent AR run.
     paused_s: float = field(default=0.0, init=False)
@@ -103,30 +97,46 @@ class DecodeRun:
     def __iter__(self):
         # Inference mode per step, not across yields: a consumer (a Gradio generator handler) may resume this
         # generator on a different thread each time, and grad mode is thread-local.
-        steps = self.decoder._decode(self)
-        while True:
+        decoder = self.decoder
+        with torch.inference_mode():
+            state = decoder.start(self.prompt, self.stop)
+        try:
             with torch.inference_mode():
-                record = next(steps, None)
-            if record is None:
-                return
-            self._paused_at = time.perf_counter()
-            yield record
-            self.paused_s += time.perf_counter() - self._paused_at
-            self._paused_at = None
+                decoder.prefill(state, self.stop)
+            self.state = state
+            while not state.stop_reason:
+                with torch.inference_mode():
+                    record = decoder.step(state, self.stop)
+                self._paused_at = time.perf_counter()
+                yield record
+                self.paused_s += time.perf_counter() - self._paused_at
+                self._paused_at = None
+            synchronize(decoder.pair.device)
+            total = time.perf_counter() - state.started - self.paused_s
+            self.result = decoder.result(self.prompt, self.stop, state, total)
+        finally:
+            if state.taps is not None:
+                state.taps.remove()
 
     def snapshot(self) -> RunResult | None:
         """The run so far as a RunResult: metrics over the iterations done, decoding wall time up to the last step
         (None before the prefill; the final result once decoding has ended). Lists are copied: the run keeps
         growing its own."""
-        if self.result is not None or self.progress is None:
+        if self.result is not None or self.state is None:
             return self.result
         now = self._paused_at or time.perf_counter()
-        return self.decoder._result(self, reason="", total=now - self.started - self.paused_s, **self.progress)
+        return self.decoder.result(self.prompt, self.stop, self.state, now - self.state.started - self.paused_s,
+                                   reason="")
 
 
 class Decoder:
+    """A pair, a strategy, a verification rule and sampling settings: `run` decodes a prompt with them. The steps
+    (`start`, `prefill`, `step`, `result`) are what a DecodeRun drives; they keep no state of their own."""
+
     def __init__(self, pair: "ModelPair", strategy: Strategy, verifier: Verifier | None = None,
-                 sampling: Sampling | None = None):
+                 sampling: Sampling | None = None, steps: str = "auto", cuda_graphs: str = "auto"):
+        """steps "auto" | "static" | "dynamic", cuda_graphs "auto" | "on" | "off": engine/steps.py (auto: static
+        steps with CUDA graphs on a CUDA device, the dynamic path elsewhere)."""
         if strategy.uses_draft and pair.draft is None:
             raise ValueError(f"strategy {strategy.name!r} needs a draft model, and this pair has none")
         self.pair, self.strategy = pair, strategy
@@ -136,6 +146,9 @@ class Decoder:
             raise VerificationError(f"verification rule {self.verifier.name!r} is exact only at temperature 0; "
                                     f"at temperature {self.sampling.temperature:g} pick a sampling rule")
         self.verifier.check_strategy(strategy)
+        self.static = wants_static(steps, cuda_graphs, pair.device)
+        self.cuda_graphs = cuda_graphs
+        self._static: dict[str, Any] = {}  # role -> StaticSteps, kept across this decoder's (sequential) runs
 
     def run(self, prompt: Prompt, max_new_tokens: int = 64, stop_on_eos: bool = True,
             stop_strings: tuple[str, ...] = (), eos_token_ids: list[int] | None = None) -> DecodeRun:
@@ -151,91 +164,101 @@ class Decoder:
             pass
         return run.result
 
-    # -- the loop ------------------------------------------------------------------------------------------------
-    def _decode(self, run: DecodeRun):
-        pair, strategy, tok = self.pair, self.strategy, self.pair.tokenizer
-        target, device = pair.target, pair.device
-        prompt_ids = encode_prompt(tok, run.prompt)
-        limit = getattr(target.config, "max_position_embeddings", None)
-        if limit and len(prompt_ids) + run.stop.max_new_tokens + 1 > limit:
+    # -- the steps of a run --------------------------------------------------------------------------------------
+    def start(self, prompt: Prompt, stop: StopRule) -> RunState:
+        """A fresh run's state: the prompt's ids, empty caches, the drafter, and the run's generator."""
+        pair, strategy, sampling = self.pair, self.strategy, self.sampling
+        prompt_ids = encode_prompt(pair.tokenizer, prompt)
+        limit = getattr(pair.target.config, "max_position_embeddings", None)
+        if limit and len(prompt_ids) + stop.max_new_tokens + 1 > limit:
             raise PromptError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens exceeds the model's "
                               f"{limit} positions")
         strategy.reset()
-        target_cache = kv.new_cache(target)
         # At temperature > 0 the draft's q is the processed distribution (same rule as the target's p) and every
         # random draw of the run comes from one generator seeded with sampling.seed.
-        sampling = self.sampling
-        generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
+        generator = None if sampling.greedy else torch.Generator(device=pair.device).manual_seed(sampling.seed)
         process = softmax_processor if sampling.greedy else sampling.process
-        drafter = Drafter(pair.draft, process, generator) if strategy.uses_draft else None
-        run.target_cache, run.drafter = target_cache, drafter  # exposed for cache-correctness tests
-
+        drafter = None
+        if strategy.uses_draft:
+            drafter = Drafter(pair.draft, process, generator, self._steps("draft", len(prompt_ids), stop))
         # The neural selector's features: hooks on both models' final norms, only when the strategy asks for them.
-        taps = FeatureTaps(pair, sampling, self.verifier.name) \
-            if drafter is not None and getattr(strategy, "wants_features", False) else None
-        if drafter is not None:
-            drafter.taps = taps
-        try:
-            synchronize(device)
-            start = time.perf_counter()
-            # Prefill: the prompt fills the target cache; its last row gives the first token, the first root.
-            prefill_logits = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=target_cache,
-                                    use_cache=True, logits_to_keep=1).logits[0]
-            verdict = self.verifier.verify(DraftTree(root_token=-1), prefill_logits, sampling, generator)
-            if taps is not None:
-                taps.after_target(prefill_logits, -1)
-            generated: list[int] = run.generated
-            sources: list[dict[str, Any]] = []
-            first, reason = run.stop.cut(tok, generated, [verdict.bonus])
-            generated += first
-            sources.append({"iteration": -1, "kind": "prefill", "margin": _margins(prefill_logits)[0],
-                            "text": tok.decode(first)})
-            synchronize(device)
-            ttft = time.perf_counter() - start
+        taps = None
+        if drafter is not None and strategy.wants_features:
+            taps = drafter.taps = FeatureTaps(pair, sampling, self.verifier.name)
+        sizer = None
+        if strategy.auto and pair.costs is not None and drafter is not None:
+            sizer = AutoSizer(strategy, pair.costs)
+        return RunState(prompt_ids, self._steps("target", len(prompt_ids), stop), drafter, generator, taps, sizer)
 
-            # The "auto" preset: the strategy's size knob follows the measured costs and this run's acceptance.
-            sizer = AutoSizer(strategy, pair.costs) if strategy.auto and pair.costs is not None and drafter else None
-            records: list[IterationRecord] = []
-            run.progress, run.started = {"prompt_ids": prompt_ids, "records": records, "sources": sources,
-                                         "ttft": ttft}, start
-            while not reason:
-                record, new, reason = self._iteration(len(records), prompt_ids + generated, generated, run.stop,
-                                                      target_cache, drafter, generator)
-                if sizer is not None:
-                    sizer.observe(record)
-                    record.extra["cost"]["auto"] = sizer.last
-                generated += new
-                margins = record.extra.pop("margins")
-                for i in range(len(new)):
-                    kind = "accepted" if i < record.accepted else "bonus"
-                    sources.append({"iteration": record.index, "kind": kind, "margin": margins[i],
-                                    "text": tok.decode([new[i]])})
-                records.append(record)
-                yield record
-            synchronize(device)
-            total = time.perf_counter() - start - run.paused_s
-            run.result = self._result(run, prompt_ids, records, sources, ttft, reason, total)
-        finally:
-            if taps is not None:
-                taps.remove()
+    def _steps(self, role: str, prompt_len: int, stop: StopRule):
+        """A model's steps for a new run: the dynamic path, or its static steps reset (built once per decoder, or
+        again when the run needs more positions: allocating a static cache and capturing its graphs takes
+        seconds). The draft's cache holds a whole iteration's expansions on top of its sequence: twice its top bucket
+        to start with (it grows if a tree needs more)."""
+        model = self.pair.target if role == "target" else self.pair.draft
+        if not self.static:
+            return DynamicSteps(model)
+        buckets = choose_buckets(self.pair.costs, largest_rung(self.pair.costs, role), role)
+        need = capacity(prompt_len, stop.max_new_tokens, buckets[-1] * (1 if role == "target" else 2))
+        steps = self._static.get(role)
+        if steps is None or steps.max_len < need or steps.buckets != buckets:
+            steps = self._static[role] = make_steps(model, "static", self.cuda_graphs, max_len=need, buckets=buckets)
+        steps.reset()
+        return steps
 
-    def _result(self, run: DecodeRun, prompt_ids, records, sources, ttft, reason, total) -> RunResult:
-        """The run as a RunResult: at the end of decoding, and for DecodeRun.snapshot() while it goes on."""
-        pair, strategy, generated = self.pair, self.strategy, list(run.generated)
+    def prefill(self, state: RunState, stop: StopRule) -> None:
+        """The prompt fills the target cache; its last row gives the first token, the first root."""
+        device, tok = self.pair.device, self.pair.tokenizer
+        synchronize(device)
+        state.started = time.perf_counter()
+        logits = state.target.prefill(state.prompt_ids)
+        verdict = self.verifier.verify(DraftTree(root_token=-1), logits, self.sampling, state.generator)
+        if state.taps is not None:
+            state.taps.after_target(logits, -1)
+        first, state.stop_reason = stop.cut(tok, state.generated, [verdict.bonus])
+        state.generated += first
+        state.sources.append({"iteration": -1, "kind": "prefill", "margin": margins(logits)[0],
+                              "text": tok.decode(first)})
+        synchronize(device)
+        state.ttft = time.perf_counter() - state.started
+
+    def step(self, state: RunState, stop: StopRule) -> IterationRecord:
+        """One iteration: draft a tree, verify it in one target forward, commit what the rule accepted."""
+        record, logits = self._iteration(state, stop)
+        new = record.new_tokens
+        if state.sizer is not None:
+            state.sizer.observe(record)
+            record.cost.auto = state.sizer.last
+        state.generated += new
+        kept_margins = margins(logits[record.accepted_path])[: len(new)]
+        for i, token in enumerate(new):
+            kind = "accepted" if i < record.accepted else "bonus"
+            state.sources.append({"iteration": record.index, "kind": kind, "margin": kept_margins[i],
+                                  "text": self.pair.tokenizer.decode([token])})
+        state.records.append(record)
+        return record
+
+    def result(self, prompt: Prompt, stop: StopRule, state: RunState, total: float,
+               reason: str | None = None) -> RunResult:
+        """The run as a RunResult: at the end of decoding, and for DecodeRun.snapshot() while it goes on (`reason`
+        "": not stopped yet). Lists are copies."""
+        pair, strategy, generated = self.pair, self.strategy, list(state.generated)
         return RunResult(
-            prompt=prompt_text(run.prompt), prompt_ids=prompt_ids, output_ids=generated,
+            prompt=prompt_text(prompt), prompt_ids=state.prompt_ids, output_ids=generated,
             output_text=pair.tokenizer.decode(generated, skip_special_tokens=False),
             strategy=strategy.name, params=dict(strategy.config),
             config={"target": pair.target_name, "draft": pair.draft_name if strategy.uses_draft else None,
                     "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
                     "verifier": self.verifier.name, "sampling": self.sampling.as_dict(),
-                    "max_new_tokens": run.stop.max_new_tokens,
-                    "stop_on_eos": bool(run.stop.eos_ids), "stop_strings": list(run.stop.stop_strings)},
-            iterations=list(records), metrics=run_metrics(records, len(generated), total, ttft),
-            stop_reason=reason, token_sources=list(sources))
+                    "max_new_tokens": stop.max_new_tokens,
+                    "stop_on_eos": bool(stop.eos_ids), "stop_strings": list(stop.stop_strings)},
+            iterations=list(state.records), metrics=run_metrics(state.records, len(generated), total, state.ttft),
+            stop_reason=state.stop_reason if reason is None else reason, token_sources=list(state.sources))
 
-    def _iteration(self, index, committed, generated, stop, target_cache, drafter, generator=None):
-        pair, strategy, target, device = self.pair, self.strategy, self.pair.target, self.pair.device
+    def _iteration(self, state: RunState, stop: StopRule) -> tuple[IterationRecord, torch.Tensor]:
+        """The iteration's record (stop truncation applied, times and cost filled in) and the target's logits."""
+        pair, strategy, drafter = self.pair, self.strategy, state.drafter
+        committed = state.prompt_ids + state.generated
         t0 = time.perf_counter()
         root_pos = len(committed) - 1
         tree = DraftTree(root_token=committed[-1])
@@ -243,115 +266,40 @@ class Decoder:
             drafter.begin(tree, committed)
             strategy.build(drafter, tree)
         params = strategy.current_params()  # after build: a selector may have chosen this tree's shape in it
-        synchronize(device)
+        synchronize(pair.device)
         t1 = time.perf_counter()
-
-        # One target forward over [root, n1..nk] at positions P + depth under the ancestor-only mask.
-        mask = None
-        if len(tree) > 1:
-            visible = kv.tree_visibility(root_pos, tree.ancestor_matrix()).to(device)
-            mask = kv.additive_mask(visible, target.dtype)
-        logits = target(input_ids=torch.tensor([tree.tokens], device=device),
-                        position_ids=(root_pos + torch.tensor([tree.depths], device=device)),
-                        attention_mask=mask, past_key_values=target_cache, use_cache=True).logits[0]
-        verdict = self.verifier.verify(tree, logits, self.sampling, generator)
-        if drafter is not None and drafter.taps is not None:
-            drafter.taps.after_target(logits, verdict.path[-1])  # the row that drew the next root
-        synchronize(device)
+        logits, verdict = self._verify(state, tree, root_pos)
         t2 = time.perf_counter()
-
         path = verdict.path
-        kv.keep_rows(target_cache, root_pos + 1, [root_pos + node for node in path[1:]])
+        state.target.keep(root_pos + 1, [root_pos + node for node in path[1:]])
         if drafter is not None:
             drafter.finish(path)
         strategy.observe(len(path) - 1, tree.num_drafted)
-        synchronize(device)
+        synchronize(pair.device)
         t3 = time.perf_counter()
 
         proposed = [tree.tokens[n] for n in path[1:]] + [verdict.bonus]
-        new, reason = stop.cut(pair.tokenizer, generated, proposed)
-        record = self._record(index, root_pos, tree, verdict, logits, new, params)
+        new, state.stop_reason = stop.cut(pair.tokenizer, state.generated, proposed)
+        record = iteration_record(pair.tokenizer, self.sampling, len(state.records), root_pos, tree, verdict,
+                                  logits, new, params)
         draft_s = drafter.seconds if drafter is not None else 0.0
         t4 = time.perf_counter()
         record.draft_forwards = drafter.forwards if drafter is not None else 0
         record.times = {"draft": draft_s, "build": t1 - t0 - draft_s, "verify": t2 - t1, "commit": t3 - t2,
                         "other": t4 - t3, "total": t4 - t0}
         if pair.costs is not None:
-            record.extra["cost"] = self._cost(drafter.row_counts if drafter is not None else [], len(tree),
-                                              record.times)
-        return record, new, reason
+            record.cost = iteration_cost(pair.costs, drafter.row_counts if drafter is not None else [], len(tree),
+                                         record.times)
+        return record, logits
 
-    def _cost(self, draft_rows: list[int], verify_rows: int, times: dict[str, float]) -> dict:
-        """Predicted (from the measured cost table) beside measured seconds of this iteration's draft and verify."""
-        predicted = self.pair.costs.predict(draft_rows, verify_rows)
-        return {"draft_rows": list(draft_rows), "verify_rows": verify_rows,
-                "predicted_draft_s": predicted["draft_s"], "predicted_verify_s": predicted["verify_s"],
-                "predicted_s": predicted["total_s"], "measured_draft_s": times["draft"],
-                "measured_verify_s": times["verify"], "measured_s": times["draft"] + times["verify"]}
-
-    def _record(self, index, root_pos, tree, verdict, logits, new, params) -> IterationRecord:
-        tok = self.pair.tokenizer
-        path, on_path = verdict.path, set(verdict.path)
-        parents = sorted({p for p in tree.parents if p >= 0} | {path[-1]})
-        rows = logits[parents].float()
-        # p as the rule saw it: the processed target distribution when sampling, the softmax when greedy.
-        probs = torch.softmax(rows, dim=-1) if self.sampling.greedy else self.sampling.process(rows)
-        row_of = {p: i for i, p in enumerate(parents)}
-        # what the node inspector shows: the top of p and q after every node the target or the draft expanded
-        next_p = _top_k(tok, probs)
-        drafted = [p for p in parents if p in tree.child_dist]  # nodes whose children the draft drew
-        # one row per distinct q tensor: DDTree's nodes of one depth share their depth's q
-        shared = {id(tree.child_dist[p]): tree.child_dist[p] for p in drafted}
-        q_rows = torch.stack(list(shared.values())).float() if shared else probs[:0]
-        top_q = dict(zip(shared, _top_k(tok, q_rows)))
-        next_q = {p: top_q[id(tree.child_dist[p])] for p in drafted}
-
-        def target_prob(parent: int, token: int) -> float:
-            return float(probs[row_of[parent], token])
-
-        nodes = []
-        for i, token in enumerate(tree.tokens):
-            parent = tree.parents[i]
-            if i == 0:
-                status = ROOT
-            elif i in on_path:
-                status = ACCEPTED
-            elif parent in on_path:
-                status = REJECTED
-            else:
-                status = UNREACHED
-            nodes.append(NodeRecord(
-                id=i, parent=parent, token=token, text=tok.decode([token]), depth=tree.depths[i],
-                q=tree.q[i] if i else None, rank=tree.ranks[i] if i else None, path_q=tree.path_q[i],
-                p=target_prob(parent, token) if i else None, status=status,
-                accept_prob=verdict.accept_prob.get(i), draws=tree.multiplicity(i) if i else 1,
-                next_p=next_p[row_of[i]] if i in row_of else [], next_q=next_q.get(i, [])))
-        last = path[-1]
-        bonus_q = float(tree.child_dist[last][verdict.bonus]) if last in tree.child_dist else None
-        nodes.append(NodeRecord(
-            id=len(tree), parent=last, token=verdict.bonus, text=tok.decode([verdict.bonus]),
-            depth=tree.depths[last] + 1, q=bonus_q, rank=None,
-            path_q=tree.path_q[last] * bonus_q if bonus_q is not None else None,
-            p=target_prob(last, verdict.bonus), status=BONUS, resampled=verdict.resampled))
-        accepted = min(len(path) - 1, len(new))
-        return IterationRecord(
-            index=index, position=root_pos, nodes=nodes, accepted_path=path, bonus_token=verdict.bonus,
-            bonus_text=tok.decode([verdict.bonus]), new_tokens=list(new), drafted=tree.num_drafted,
-            accepted=accepted, draft_forwards=0, params=params, times={},
-            extra={**tree.extra, "margins": _margins(logits[path])[: len(new)]})
-
-
-def _top_k(tokenizer, probs: torch.Tensor) -> list[list[list]]:
-    """Per row of `probs` [rows, V]: its TOP_K most probable tokens as [token, probability (4 significant digits:
-    display data, kept small in traces), text]. One topk over all rows and one batched decode."""
-    top = torch.topk(probs, min(TOP_K, probs.shape[-1]), dim=-1)
-    ids, values = top.indices.tolist(), top.values.tolist()
-    texts = iter(tokenizer.batch_decode([[t] for row in ids for t in row]))
-    return [[[t, float(f"{v:.4g}"), next(texts)] for t, v in zip(row_ids, row_values)]
-            for row_ids, row_values in zip(ids, values)]
-
-
-def _margins(logits: torch.Tensor) -> list[float]:
-    """Target's top-1 minus top-2 logit per row: how close a greedy choice was to flipping."""
-    top = torch.topk(logits.float(), 2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
+    def _verify(self, state: RunState, tree: DraftTree, root_pos: int):
+        """One target forward over [root, n1..nk] at positions P + depth under the ancestor-only mask, then the
+        rule's verdict; returns (logits, verdict), synchronised."""
+        device = self.pair.device
+        visible = kv.tree_visibility(root_pos, tree.ancestor_matrix()) if len(tree) > 1 else None
+        logits = state.target.forward(tree.tokens, [root_pos + d for d in tree.depths], visible)
+        verdict = self.verifier.verify(tree, logits, self.sampling, state.generator)
+        if state.taps is not None:
+            state.taps.after_target(logits, verdict.path[-1])  # the row that drew the next root
+        synchronize(device)
+        return logits, verdict

@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from engine import kv
+from engine.runtime import synchronize
+from engine.steps import DynamicSteps
 from engine.tree import DraftTree
 
 # Turns draft logits [k, V] (float32) into the processed draft distributions q [k, V].
@@ -22,18 +23,14 @@ def softmax_processor(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Drafter:
-    def __init__(self, model, process: Processor = softmax_processor, generator: torch.Generator | None = None):
+    def __init__(self, model, process: Processor = softmax_processor, generator: torch.Generator | None = None,
+                 steps=None):
         self.model = model
         self.device = model.device
         self.process = process
         self.generator = generator  # the run's seeded generator when sampling: strategies draw children with it
-        self.cache = kv.new_cache(model)
+        self.steps = steps if steps is not None else DynamicSteps(model)  # its forwards and cache (engine/steps.py)
         self.cached = 0  # committed tokens held in the draft cache
         self.forwards = 0
         self.seconds = 0.0
@@ -43,6 +40,10 @@ class Drafter:
         self.taps = None
         self.prev_dist: torch.Tensor | None = None
         self.dists: dict[int, torch.Tensor] = {}
+
+    @property
+    def cache(self):
+        return self.steps.cache
 
     # -- per iteration -------------------------------------------------------------------------------------------
     def begin(self, tree: DraftTree, committed: list[int]) -> None:
@@ -81,23 +82,16 @@ class Drafter:
 
     def _forward_root(self) -> torch.Tensor:
         ids = self.pending + [self.tree.root_token]
-        positions = torch.arange(self.cached, self.root_pos + 1, device=self.device)[None]
         keep = 2 if self.taps is not None and self.pending else 1  # the pending row before the root drew the root
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        logits = self.steps.forward(ids, list(range(self.cached, self.root_pos + 1)), last=keep)
         self.rows[0] = self.root_pos
         if keep == 2:
-            self.prev_dist = self.process(out.logits[0, :1].float())[0]
-        return out.logits[0, -1:]
+            self.prev_dist = self.process(logits[:1].float())[0]
+        return logits[-1:]
 
     def _forward_nodes(self, nodes: list[int]) -> torch.Tensor:
         tree = self.tree
-        base = kv.cache_length(self.cache)
+        base = self.steps.length
         batch_col = {node: base + i for i, node in enumerate(nodes)}
         visible = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
         visible[:, : self.root_pos + 1] = True  # committed prefix and the root
@@ -109,17 +103,10 @@ class Drafter:
                     raise ValueError(f"node {node}: ancestor {a} has not been expanded by the draft")
                 visible[i, col] = True
                 a = tree.parents[a]
-        mask = kv.additive_mask(visible.to(self.device), self.model.dtype)
-        positions = torch.tensor([[self.root_pos + tree.depths[n] for n in nodes]], device=self.device)
-        out = self.model(
-            input_ids=torch.tensor([[tree.tokens[n] for n in nodes]], device=self.device),
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        logits = self.steps.forward([tree.tokens[n] for n in nodes], [self.root_pos + tree.depths[n] for n in nodes],
+                                    visible)
         self.rows.update(batch_col)
-        return out.logits[0]
+        return logits
 
     def remap(self, mapping: dict[int, int]) -> None:
         """Follow a `DraftTree.reorder`/`prune` renumbering: rows of kept nodes move to their new ids, rows of
@@ -137,5 +124,5 @@ class Drafter:
             if node not in self.rows:
                 break  # a node's descendants can only have rows if it has one
             kept.append(self.rows[node])
-        kv.keep_rows(self.cache, self.root_pos + 1, kept)
+        self.steps.keep(self.root_pos + 1, kept)
         self.cached = self.root_pos + 1 + len(kept)

@@ -1,9 +1,33 @@
-"""Run metrics, one definition each (DESIGN.md §5), computed from iteration records and wall times."""
+"""Run metrics, computed from iteration records and wall times. The definitions, written here once (the README, docs/
+and ARCHITECTURE.md link to this docstring; the app, the bench and the command line only read these numbers):
+
+- **iteration**: one target verification pass (AR: one target forward, one token).
+- **L̄** (`mean_tokens_per_iter`, block efficiency): committed tokens (accepted draft tokens + the bonus token) per
+  iteration.
+- **ℓ̄** (`mean_accepted_len`): accepted draft-path length per iteration, bonus excluded (L̄ = ℓ̄ + 1).
+- **acceptance** (`acceptance_rate`): accepted draft tokens / drafted nodes, over the run.
+- **per-depth acceptance** (`per_depth_acceptance[d - 1]`): the fraction of iterations whose accepted length is >= d.
+- `mean_drafted`, `mean_draft_forwards`: drafted nodes and draft forwards per iteration.
+- **TTFT** (`ttft_s`): prefill + the first new token.
+- **TPOT** (`tpot_s`): (total − TTFT) / (T − 1) for T new tokens.
+- **tokens/s** (`tokens_per_s`): new tokens / the wall time of the whole generation, prefill included (`total_s`).
+  Time a consumer holds a `DecodeRun` between its steps (the app drawing figures) is left out (`DecodeRun.paused_s`).
+- **speedup**: tokens/s ÷ AR tokens/s measured in the same process, with the same dtype, attention and stopping rule
+  (`compare_outputs`' `speedup_vs_ar`). `python -m engine bench` divides by the faster of its two ARs, the eager one
+  and `ar-compiled` (engine/compiled.py); the app and `generate --compare-ar` use the eager AR.
+- **exact match** (`compare_outputs`): the output equals AR's token for token; otherwise the first divergence and the
+  target's top-2 logit margin there.
+- **stage times** (`stage_s`): seconds per stage summed over iterations: draft, build, verify, commit, other.
+- **cost drift** (`cost_drift`): measured ÷ predicted seconds of drafting and of verification over the run, from the
+  per-iteration cost records (`IterationRecord.cost`), first iteration left out; beyond ×DRIFT_TOLERANCE either way
+  (and at least DRIFT_MIN_ITERATIONS iterations) the cached cost table no longer describes the machine.
+- **calibration** (`calibration`): tested nodes binned by draft probability q, against the fraction accepted.
+"""
 from __future__ import annotations
 
 from typing import Any
 
-from engine.trace import ACCEPTED, REJECTED, IterationRecord, RunResult
+from engine.trace import ACCEPTED, REJECTED, IterationCost, IterationRecord, RunResult
 
 STAGES = ("draft", "build", "verify", "commit", "other")
 # Measured/predicted beyond x1.3 or /1.3 (a tolerance, not a machine constant): the cost table no longer describes the
@@ -37,15 +61,12 @@ def run_metrics(iterations: list[IterationRecord], new_tokens: int, total_s: flo
     }
 
 
-def cost_ratios(costs: list[dict]) -> dict[str, float]:
+def cost_ratios(costs: list[IterationCost]) -> dict[str, float]:
     """Measured ÷ predicted seconds of the draft and of the verification, summed over cost records (the decoder's
-    per-iteration `extra["cost"]`); a stage nothing was predicted for is left out."""
-    out: dict[str, float] = {}
-    for stage in ("draft", "verify"):
-        predicted = sum(c[f"predicted_{stage}_s"] for c in costs)
-        if predicted > 0:
-            out[stage] = sum(c[f"measured_{stage}_s"] for c in costs) / predicted
-    return out
+    per-iteration `IterationRecord.cost`); a stage nothing was predicted for is left out."""
+    sums = {"draft": (sum(c.measured_draft_s for c in costs), sum(c.predicted_draft_s for c in costs)),
+            "verify": (sum(c.measured_verify_s for c in costs), sum(c.predicted_verify_s for c in costs))}
+    return {stage: measured / predicted for stage, (measured, predicted) in sums.items() if predicted > 0}
 
 
 def cost_drift(iterations: list[IterationRecord]) -> dict[str, float]:
@@ -57,11 +78,10 @@ def cost_drift(iterations: list[IterationRecord]) -> dict[str, float]:
     return {**cost_ratios(costs), "iterations": len(costs)} if costs else {}
 
 
-def drift_evidence(iteration: IterationRecord) -> dict | None:
+def drift_evidence(iteration: IterationRecord) -> IterationCost | None:
     """The iteration's cost record where it can tell drift: none for the first iteration, whose draft forward also
     reads the prompt, or for an iteration without one."""
-    cost = iteration.extra.get("cost")
-    return cost if iteration.index > 0 and isinstance(cost, dict) else None
+    return iteration.cost if iteration.index > 0 else None
 
 
 def drift_off(drift: dict[str, float]) -> str:

@@ -1,4 +1,4 @@
-"""TALF: tree-aware draft training (papers/salf-talf.txt, §3.2 and Algorithm 1).
+"""TALF: tree-aware draft training (the SALF/TALF paper, §3.2 and Algorithm 1).
 
 Every position s of a training sequence is the root of a tree that the *target* builds with EAGLE-2's beam search
 (k children per expanded node, the k best by path probability V expanded at each depth, `depth` levels of tokens).
@@ -185,7 +185,7 @@ def load_adapter(model, path: str | Path, merge: bool = True, trainable: bool = 
     path = Path(path).expanduser()
     if not (path / "adapter_config.json").is_file():
         raise TalfError(f"{path} is not a LoRA adapter folder (no adapter_config.json); train one with "
-                        "`python scripts/talf.py lora --out PATH`")
+                        "`python -m scripts.talf lora --out PATH`")
     from peft import PeftModel
     try:
         wrapped = PeftModel.from_pretrained(model, str(path), is_trainable=trainable)

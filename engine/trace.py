@@ -12,8 +12,10 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2  # 2: NodeRecord.next_p / next_q (top-k next-token distributions per expanded node)
-READABLE = (1, 2)
+# 2: NodeRecord.next_p / next_q (top-k next-token distributions per expanded node); 3: IterationRecord.cost (was
+# extra["cost"], converted on load)
+SCHEMA_VERSION = 3
+READABLE = (1, 2, 3)
 TOP_K = 10  # entries in NodeRecord.next_p / next_q
 
 # Node outcomes. "rejected": a child of an accepted node that the target did not pick; "unreached": below a
@@ -50,6 +52,21 @@ NODE_DEFAULTS = {f.name: f.default if f.default is not MISSING else f.default_fa
 
 
 @dataclass
+class IterationCost:
+    """An iteration's draft and verify seconds as the measured cost table predicted them (engine/costs.py), beside
+    the seconds they took: the cost panel, the drift check and the `auto` sizer read them."""
+    draft_rows: list[int]                # rows of each draft forward
+    verify_rows: int                     # rows of the target's verification forward
+    predicted_draft_s: float
+    predicted_verify_s: float
+    predicted_s: float                   # draft + verify
+    measured_draft_s: float
+    measured_verify_s: float
+    measured_s: float                    # draft + verify
+    auto: dict[str, Any] | None = None   # the `auto` preset's choice of the next size (engine/autosize.py)
+
+
+@dataclass
 class IterationRecord:
     index: int
     position: int                        # P: committed tokens before the root
@@ -64,6 +81,7 @@ class IterationRecord:
     params: dict[str, Any]               # strategy parameters in force for this iteration
     times: dict[str, float]              # seconds: draft, build, verify, commit, other, total
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific signals (e.g. SALF's round sums)
+    cost: IterationCost | None = None    # None without a cost table
 
     @property
     def committed(self) -> int:
@@ -117,7 +135,9 @@ def run_from_dict(data: dict[str, Any]) -> RunResult:
         iterations = []
         for it in fields.pop("iterations"):
             nodes = [NodeRecord(**n) for n in it.pop("nodes")]
-            iterations.append(IterationRecord(nodes=nodes, **it))
+            cost = it.pop("cost", None) if version >= 3 else it.get("extra", {}).pop("cost", None)
+            cost = IterationCost(**cost) if cost is not None else None
+            iterations.append(IterationRecord(nodes=nodes, cost=cost, **it))
         return RunResult(iterations=iterations, **fields)
     except (KeyError, TypeError) as err:
         raise TraceError(f"not a treeviz trace: {err}") from None

@@ -32,6 +32,9 @@ class DraftTree:
     # elsewhere the draw order is `children`. Sampling rules for i.i.d. children rely on this order being the true
     # (exchangeable) draw order, never "grouped by first appearance", which biases them.
     draws: dict[int, list[int]] = field(default_factory=dict)
+    # Who proposed each node: "model" (the draft; `add`'s default), "lookup" (engine/lookup.py: the context), or
+    # "both" (a lookup continuation through a model node); the root is "root".
+    source: list[str] = field(default_factory=list)
     # Strategy-specific, JSON-able signals for this iteration (e.g. SALF's round sums); copied into the record.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -44,6 +47,7 @@ class DraftTree:
             self.path_q.append(1.0)
             self.ranks.append(0)
             self.children.append([])
+            self.source.append("root")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -65,6 +69,7 @@ class DraftTree:
         self.path_q.append(self.path_q[parent] * float(q))
         self.ranks.append(int(rank))
         self.children.append([])
+        self.source.append("model")
         self.children[parent].append(node)
         return node
 
@@ -131,7 +136,7 @@ class DraftTree:
             parent = self.parents[old]
             if mapping.get(parent, len(order)) >= mapping[old]:
                 raise ValueError(f"node {old} comes before its parent {parent} (or its parent is dropped)")
-        for name in ("tokens", "depths", "q", "path_q", "ranks"):
+        for name in ("tokens", "depths", "q", "path_q", "ranks", "source"):
             values = getattr(self, name)
             values[:] = [values[old] for old in order]
         self.parents[:] = [-1] + [mapping[self.parents[old]] for old in order[1:]]

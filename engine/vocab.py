@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.runtime import cache_dir
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "vocab"
 MIN_VOCAB = 64  # the CLI's floor: with fewer, a wide top-k would propose tokens of draft probability zero
 _RUNTIME_CORPUS_CHARS = 4_000_000  # building a table on first use: a few seconds of tokenizing
@@ -159,7 +161,6 @@ def build_table(tokenizer, max_chars: int | None = None, keep: int = 32768) -> d
 
 def frequency_table(tokenizer) -> list[int]:
     """Token ids by frequency: the committed asset for this tokenizer, else one built now and cached."""
-    from engine.models import cache_dir
     fp = tokenizer_fingerprint(tokenizer)
     for folder in (ASSETS, cache_dir() / "vocab"):
         file = folder / f"{fp}.json"

@@ -18,8 +18,8 @@ its own copy of the weights, and an inductor failure (a crash inside generated c
 count. Within a process, eager and every compiled variant are called in turn, so the machine's drift hits them all.
 Results: docs/experiments/compiled-ar.md.
 
-    python scripts/compile_probe.py --pair default --rows 4,8,16
-    python scripts/compile_probe.py --pair default --rows 1 --prefix 150 --variants shipped:384,sdpa:640
+    python -m scripts.compile_probe --pair default --rows 4,8,16
+    python -m scripts.compile_probe --pair default --rows 1 --prefix 150 --variants shipped:384,sdpa:640
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode: str,
@@ -158,10 +157,11 @@ def main() -> int:
     print(f"{'rows':>5s} {'eager ms':>9s} {'variant':>12s} {'compiled ms':>12s} {'speedup':>8s} {'compile s':>10s} "
           f"{'max |diff|':>11s}")
     for rows in (int(r) for r in args.rows.split(",")):
-        child = [sys.executable, __file__, "--one", str(rows), "--pair", args.pair, "--dtype", args.dtype,
+        child = [sys.executable, "-m", "scripts.compile_probe", "--one", str(rows), "--pair", args.pair,
+                 "--dtype", args.dtype,
                  "--prefix", str(args.prefix), "--repeats", str(args.repeats), "--mode", args.mode,
                  "--variants", args.variants]
-        proc = subprocess.run(child, capture_output=True, text=True)
+        proc = subprocess.run(child, capture_output=True, text=True, cwd=ROOT)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
             reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][:200]

@@ -1,10 +1,10 @@
 """The engine on a CUDA device: greedy exactness in fp32, bf16 agreement, seeded sampling, synchronised timings.
 
-    python scripts/cuda_check.py [--device cuda] [--tokens 40] [--json OUT]
+    python -m scripts.cuda_check [--device cuda] [--tokens 40] [--json OUT]
 
 Runs every strategy on the tiny random pairs (built in memory: no download, so it runs on a machine with no network)
 and prints, per strategy: how many runs equal target-only greedy decoding token for token in fp32 (must be all),
-the same in bf16 (near-tie flips are expected there, DESIGN §2) with the first divergence, whether two runs at
+the same in bf16 (near-tie flips are expected there, ARCHITECTURE.md) with the first divergence, whether two runs at
 temperature 0.8 with the same seed agree (seeded sampling on the device), and the median draft / verify seconds per
 iteration from the records (the decoder synchronises the device around each stage). The verification rules'
 exact-enumeration tests run on the device too: `TREEVIZ_TEST_DEVICE=cuda python -m pytest tests/test_verify_exact.py`.
@@ -15,23 +15,22 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from engine.decoder import Decoder  # noqa: E402
-from engine.models import tiny_random_pair  # noqa: E402
-from engine.sampling import Sampling  # noqa: E402
-from engine.strategies import STRATEGIES, make_strategy  # noqa: E402
+from engine.models import tiny_random_pair
+from engine.sampling import Sampling
+from engine.session import RunSpec, generate
+from engine.strategies import STRATEGIES
 
 PROMPTS = ["hello world", "def f(x):\n    return", "The quick brown fox jumps over"]
 KINDS = ("related", "identical", "unrelated")
 
 
 def ids(pair, name, prompt, tokens, sampling=None):
-    run = Decoder(pair, make_strategy(name), None, sampling).generate(prompt, max_new_tokens=tokens,
-                                                                      stop_on_eos=False)
-    return run
+    spec = RunSpec(pair=pair.target_name, prompt=prompt, strategy=name, max_new_tokens=tokens, stop_on_eos=False,
+                   **(sampling or Sampling()).as_dict())
+    return generate(pair, spec)
 
 
 def first_divergence(a, b):

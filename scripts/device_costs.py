@@ -1,9 +1,9 @@
 """The cost table (engine/costs.py) for the real model shapes on any device, with no download.
 
-    python scripts/device_costs.py --device cuda                  # Qwen2.5 1.5B/0.5B and Pythia 2.8B/70M pairs
-    python scripts/device_costs.py --device cpu --pairs pythia --dtype fp32
-    python scripts/device_costs.py --device cuda --breakdown      # also: where a 1-row step's time goes
-    python scripts/device_costs.py --device cuda --graphs         # also: a 1-row step from a CUDA graph
+    python -m scripts.device_costs --device cuda                  # Qwen2.5 1.5B/0.5B and Pythia 2.8B/70M pairs
+    python -m scripts.device_costs --device cpu --pairs pythia --dtype fp32
+    python -m scripts.device_costs --device cuda --breakdown      # also: where a 1-row step's time goes
+    python -m scripts.device_costs --device cuda --graphs         # also: a 1-row step from a CUDA graph
 
 Models are randomly initialised from hand-written configs of the published shapes (forward cost depends on the
 shapes, not on the weights), measured with engine.costs.measure (the calibration the engine runs at load: a
@@ -16,17 +16,14 @@ a target step however small the draft, and verifying many rows costs little more
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import kv  # noqa: E402
-from engine.costs import LADDER, PREFIX, ModelCosts, PairCosts, timed_forward, measure, probe_ids  # noqa: E402
+from engine import kv
+from engine.costs import LADDER, PREFIX, ModelCosts, PairCosts, timed_forward, measure, probe_ids
 
 QWEN = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
             attn_implementation="sdpa")

@@ -1,13 +1,13 @@
 """The source papers' experiments at this machine's scale, one subcommand each. Every experiment writes
 OUT/<name>.md (a markdown table, with the command and settings that made it) and OUT/<name>.html (a Plotly figure).
 
-    python scripts/experiments.py ablation     --out runs/exp   # DynaTree Table 4 + its D0 / B_max / tau sweeps
-    python scripts/experiments.py calibration  --out runs/exp   # DySpec Hypothesis 1: draft q against acceptance
-    python scripts/experiments.py delayed      --out runs/exp   # delayed-tree Figure 1: L-bar against K and L per rule
-    python scripts/experiments.py salf         --out runs/exp   # SALF Table 4: the threshold sweep
-    python scripts/experiments.py ddtree       --out runs/exp   # DDTree: the node-budget sweep
-    python scripts/experiments.py dyspec-dfs   --out runs/exp   # DySpec: attention blocks touched, BFS vs DFS order
-    python scripts/experiments.py scaling      --out runs/exp   # DynaTree Figs 6, 9: prompt and generation length
+    python -m scripts.experiments ablation     --out runs/exp   # DynaTree Table 4 + its D0 / B_max / tau sweeps
+    python -m scripts.experiments calibration  --out runs/exp   # DySpec Hypothesis 1: draft q against acceptance
+    python -m scripts.experiments delayed      --out runs/exp   # delayed-tree Figure 1: L-bar against K and L per rule
+    python -m scripts.experiments salf         --out runs/exp   # SALF Table 4: the threshold sweep
+    python -m scripts.experiments ddtree       --out runs/exp   # DDTree: the node-budget sweep
+    python -m scripts.experiments dyspec-dfs   --out runs/exp   # DySpec: attention blocks touched, BFS vs DFS order
+    python -m scripts.experiments scaling      --out runs/exp   # DynaTree Figs 6, 9: prompt and generation length
 
 Common flags: --pair (default: the offline default pair), --dtype, --prompts N (per set: code, chat, prose; default
 1), --tokens (new tokens per run), --temperature. Every configuration runs on the same prompts, with AR decoded on
@@ -21,16 +21,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import plotly.graph_objects as go  # noqa: E402
+import plotly.graph_objects as go
 
-from engine.bench import run_method, throughput  # noqa: E402
-from engine.metrics import calibration, run_metrics  # noqa: E402
-from engine.models import PAIRS, load_pair  # noqa: E402
-from engine.prompts import PROMPT_SETS, load_prompt_set  # noqa: E402
-from engine.sampling import Sampling  # noqa: E402
-from engine.verify import make_verifier, theory  # noqa: E402
+from engine.bench import run_method, throughput
+from engine.metrics import calibration, run_metrics
+from engine.models import PAIRS, load_pair
+from engine.prompts import PROMPT_SETS, load_prompt_set
+from engine.sampling import Sampling
+from engine.verify import make_verifier, theory
 
 
 # -- running configurations ---------------------------------------------------------------------------------------
@@ -144,7 +143,7 @@ def delayed_experiment(pair, prompts, args):
 def predicted_efficiency(pair, prompts, sampling):
     """Mean over the prompts' first positions of 1 + alpha(p, q, K), from the two models' real distributions."""
     import torch
-    from engine.decoder import encode_prompt
+    from engine.prompts import encode_prompt
     out = {}
     for prompt in prompts:
         ids = torch.tensor([encode_prompt(pair.tokenizer, prompt)], device=pair.device)
@@ -246,7 +245,7 @@ def main(argv=None):
     rows, table, fig = EXPERIMENTS[args.experiment](pair, prompts, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/experiments.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m scripts.experiments " + " ".join(sys.argv[1:] if argv is None else argv)
     header = (f"# {args.experiment}\n\n`{command}`\n\n{pair.describe()}; {len(prompts)} prompts "
               f"({args.prompts} per set), {args.tokens} new tokens, AR interleaved per prompt.\n\n")
     (out / f"{args.experiment}.md").write_text(header + table + "\n")

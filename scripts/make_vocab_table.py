@@ -1,7 +1,7 @@
 """Build the token-frequency table the trimmed draft head uses (engine/vocab.py) and write it to assets/vocab/.
 
-    python scripts/make_vocab_table.py                 # the default pair's tokenizer (the converted model's)
-    python scripts/make_vocab_table.py --tokenizer DIR # any saved Hugging Face tokenizer
+    python -m scripts.make_vocab_table                 # the default pair's tokenizer (the converted model's)
+    python -m scripts.make_vocab_table --tokenizer DIR # any saved Hugging Face tokenizer
 
 The text is what any Python install carries: pydoc's topic texts (English prose about Python) and the standard
 library's sources, read in a fixed order. Prompts the benchmark uses are deliberately not part of it. The table keeps
@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.vocab import ASSETS, build_table  # noqa: E402
+from engine.vocab import ASSETS, build_table
 
 
 def main() -> int:

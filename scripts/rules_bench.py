@@ -1,7 +1,7 @@
 """Verification rules side by side under sampling: block efficiency (L̄) and tokens/s, like Tables 2-3 of the
 delayed-tree-expansion paper.
 
-    python scripts/rules_bench.py --pair default --temperatures 0.6,1.0 --prompt-set all --max-new-tokens 24 \
+    python -m scripts.rules_bench --pair default --temperatures 0.6,1.0 --prompt-set all --max-new-tokens 24 \
         [--limit N] [--json OUT]
 
 Each row is a tree shape with one rule: sampled chains (delayed with K=1, L1=0) under Naive / Block / Traversal;
@@ -19,13 +19,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.bench import run_method, summarise, throughput  # noqa: E402
-from engine.models import PAIRS, load_pair  # noqa: E402
-from engine.prompts import PROMPT_SETS, load_prompt_set  # noqa: E402
-from engine.sampling import Sampling  # noqa: E402
-from engine.verify import VERIFIERS, theory  # noqa: E402
+from engine.bench import run_method, summarise, throughput
+from engine.models import PAIRS, load_pair
+from engine.prompts import PROMPT_SETS, load_prompt_set
+from engine.sampling import Sampling
+from engine.verify import VERIFIERS, theory
 
 THEORY = {**theory.ACCEPTANCE, **theory.LOWER_BOUNDS}
 

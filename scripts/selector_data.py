@@ -1,7 +1,7 @@
-"""Training data for the delayed-tree neural selector, and its training (engine/selector.py).
+"""Training data for the delayed-tree neural selector, and its training (engine/selector_train.py).
 
-    python scripts/selector_data.py collect --pair default   # real runs -> ~/.cache/treeviz/selector/
-    python scripts/selector_data.py train                    # -> assets/selector/{specinfer,spectr}.safetensors
+    python -m scripts.selector_data collect --pair default   # real runs -> ~/.cache/treeviz/selector/
+    python -m scripts.selector_data train                    # -> assets/selector/{specinfer,spectr}.safetensors
 
 collect: decodes the training prompts of the shipped sets (every prompt but the last HELD_OUT of each set, which the
 evaluation keeps) at each temperature with a `cover` strategy: every iteration drafts one cover tree (a trunk of
@@ -18,23 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from engine import selector as neural  # noqa: E402
-from engine.decoder import Decoder  # noqa: E402
-from engine.models import PAIRS, load_pair  # noqa: E402
-from engine.prompts import PROMPT_SETS, load_prompt_set  # noqa: E402
-from engine.sampling import Sampling  # noqa: E402
-from engine.strategies.base import Strategy  # noqa: E402
-from engine.verify import SpecInfer  # noqa: E402
+from engine import selector as neural
+from engine import selector_train
+from engine.decoder import Decoder
+from engine.models import PAIRS, load_pair
+from engine.prompts import PROMPT_SETS, load_prompt_set
+from engine.sampling import Sampling
+from engine.strategies.base import Strategy
+from engine.verify import SpecInfer
 
 CACHE = Path.home() / ".cache" / "treeviz" / "selector"
 HELD_OUT = 2  # last prompts of each set: never trained on
@@ -52,7 +51,7 @@ def split_prompts(split: str, limit: int | None = None, sets=PROMPT_SETS) -> lis
 
 
 class Cover(Strategy):
-    """Drafts the cover tree of every action (engine.selector.grow_cover) and keeps the root's features."""
+    """Drafts the cover tree of every action (engine.selector_train.grow_cover) and keeps the root's features."""
     name, label, summary = "cover", "Selector cover tree", "every (K, L1, L2) delayed tree at once"
     child_mode = "iid"
     presets = {"cpu": {}}
@@ -67,7 +66,8 @@ class Cover(Strategy):
         features = drafter.taps.features(drafter, root)
         draw = lambda dist, count: torch.multinomial(dist, count, replacement=True,  # noqa: E731
                                                      generator=drafter.generator).tolist()
-        self.sample = (features, neural.grow_cover(drafter, tree, draw), drafter.row_counts[0], drafter.taps.costs)
+        cover = selector_train.grow_cover(drafter, tree, draw)
+        self.sample = (features, cover, drafter.row_counts[0], drafter.taps.costs)
 
 
 def compact(tree, p_rows: torch.Tensor, top: int = TOP) -> tuple[dict, dict, list[int]]:
@@ -110,7 +110,7 @@ class Recording(SpecInfer):
             features, cover, first_rows, costs = self.strategy.sample
             p, q, tokens = compact(tree, sampling.process(logits.float()))
             memo: dict = {}
-            efficiency = torch.tensor([[neural.block_efficiency(rule, cover.draws(a), tokens, p, q, memo)
+            efficiency = torch.tensor([[selector_train.block_efficiency(rule, cover.draws(a), tokens, p, q, memo)
                                         for a in neural.ACTIONS] for rule in neural.RULES])
             self.rows.append({"features": features, "efficiency": efficiency,
                               "seconds": neural.action_seconds(costs, first_rows)})
@@ -152,7 +152,7 @@ def collect(args) -> None:
 
 def load_data(path: Path, rule: str) -> tuple[dict, dict]:
     if not path.exists():
-        raise SystemExit(f"no data at {path}: run `python scripts/selector_data.py collect` first")
+        raise SystemExit(f"no data at {path}: run `python -m scripts.selector_data collect` first")
     with safe_open(str(path), "pt") as f:
         info = json.loads(f.metadata()["info"])
         data = {k: f.get_tensor(k) for k in f.keys()}
@@ -168,13 +168,13 @@ def train(args) -> None:
         start = time.perf_counter()
         meta = {"rule": rule, "pair": args.pair, "target": info["target"], "draft": info["draft"],
                 "trained_on": f"{len(data['scalars'])} roots, {len(info['runs'])} runs of {info['tokens']} tokens"}
-        net = neural.train(data, meta, epochs=args.epochs, log=print)
+        net = selector_train.train(data, meta, epochs=args.epochs, log=print)
         print(f"{rule}: trained on {len(data['scalars'])} roots in {time.perf_counter() - start:.1f}s")
         for split in ("train", "heldout"):
             if not (CACHE / f"{args.pair}-{split}.safetensors").exists():
                 continue
             held, _ = load_data(CACHE / f"{args.pair}-{split}.safetensors", rule)
-            report = neural.evaluate(net, held)
+            report = selector_train.evaluate(net, held)
             net.meta[f"offline_{split}"] = report
             print(f"  {split:7s} ({len(held['scalars'])} roots): " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()))

@@ -1,7 +1,7 @@
 """Evaluate the delayed-tree neural selector on held-out prompts: tokens/s and L-bar against the best single fixed
 (K, L1, L2) and against `delayed`'s presets, with AR decoded on each prompt right before (interleaved).
 
-    python scripts/selector_eval.py --pair default --prompts 2 --tokens 48 --temperatures 0.6 1.0 [--out FILE.md]
+    python -m scripts.selector_eval --pair default --prompts 2 --tokens 48 --temperatures 0.6 1.0 [--out FILE.md]
 
 The held-out prompts are the last HELD_OUT of each shipped set (scripts/selector_data.py never trains on them). The
 best fixed action is the one the training report found by the same estimator (the shipped weights' metadata
@@ -12,21 +12,18 @@ distinct shapes it chose.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from experiments import sweep  # noqa: E402
-from selector_data import split_prompts  # noqa: E402
+from scripts.experiments import sweep
+from scripts.selector_data import split_prompts
 
-from engine import selector as neural  # noqa: E402
-from engine.models import PAIRS, load_pair  # noqa: E402
-from engine.prompts import PROMPT_SETS  # noqa: E402
-from engine.sampling import Sampling  # noqa: E402
-from engine.strategies import make_strategy  # noqa: E402
+from engine import selector as neural
+from engine.models import PAIRS, load_pair
+from engine.prompts import PROMPT_SETS
+from engine.sampling import Sampling
+from engine.strategies import make_strategy
 
 
 def configs(rule: str) -> list[tuple]:

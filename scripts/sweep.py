@@ -1,8 +1,8 @@
 """Small parameter sweep for one strategy: throughput relative to AR on a few prompts of each set.
 
-    python scripts/sweep.py --pair default --dtype fp32 --strategy dynatree --grid budget=12,24 d_max=6,8 \
+    python -m scripts.sweep --pair default --dtype fp32 --strategy dynatree --grid budget=12,24 d_max=6,8 \
         --limit 1 --max-new-tokens 64
-    python scripts/sweep.py --plan plan.txt   # one "strategy key=v1,v2 key=v1" per line, all in one process
+    python -m scripts.sweep --plan plan.txt   # one "strategy key=v1,v2 key=v1" per line, all in one process
 
 Used to choose the "cpu" presets; prints one line per configuration (speedup per set and their geometric mean,
 L-bar, draft forwards, drafted nodes). AR is measured once, in the same process, warm-up excluded.
@@ -10,14 +10,12 @@ L-bar, draft forwards, drafted nodes). AR is measured once, in the same process,
 import argparse
 import itertools
 import math
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.bench import run_method  # noqa: E402
-from engine.models import PAIRS, load_pair  # noqa: E402
-from engine.prompts import PROMPT_SETS, load_prompt_set  # noqa: E402
+from engine.bench import run_method
+from engine.models import PAIRS, load_pair
+from engine.prompts import PROMPT_SETS, load_prompt_set
 
 
 def parse_grid(items):

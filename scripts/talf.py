@@ -1,7 +1,7 @@
 """TALF (engine/talf.py) against plain distillation, at this machine's scale; and a LoRA run on the real draft.
 
-    python scripts/talf.py tiny --out runs/talf            # small models trained here: OUT/talf.md + OUT/talf.html
-    python scripts/talf.py lora --minutes 5 --out ~/talf-lora   # LoRA (peft) on the default pair's 0.5B draft
+    python -m scripts.talf tiny --out runs/talf            # small models trained here: OUT/talf.md + OUT/talf.html
+    python -m scripts.talf lora --minutes 5 --out ~/talf-lora   # LoRA (peft) on the default pair's 0.5B draft
 
 `tiny`: a 4-layer target (hidden 128) learns byte-level text from the Python install (pydoc topics + stdlib
 sources; every 10th file is held out), then a 2-layer draft (hidden 64) learns the same text briefly. From that
@@ -31,16 +31,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from engine import kv  # noqa: E402
-from engine.decoder import Decoder  # noqa: E402
-from engine.models import ModelPair, tiny_config, tiny_random_model, tiny_tokenizer  # noqa: E402
-from engine.strategies import make_strategy  # noqa: E402
-from engine.talf import add_lora, load_adapter, target_tree_batch, tree_loss  # noqa: E402
-from engine.vocab import corpus_files  # noqa: E402
+from engine import kv
+from engine.models import ModelPair, tiny_config, tiny_random_model, tiny_tokenizer
+from engine.session import RunSpec, generate
+from engine.talf import add_lora, load_adapter, target_tree_batch, tree_loss
+from engine.vocab import corpus_files
 
 EVAL_STRATEGIES = ("dynatree", "salf", "eagle2")
 
@@ -125,10 +123,10 @@ def tree_acceptance(target, draft, tokenizer, prompts: list[str], tokens: int) -
     pair = ModelPair(target, draft, tokenizer, torch.device("cpu"), torch.float32, "tiny text target", "tiny draft")
     out = {}
     for name in EVAL_STRATEGIES:
-        decoder = Decoder(pair, make_strategy(name, "cpu"))
         committed = iterations = 0
         for prompt in prompts:
-            result = decoder.generate(prompt, max_new_tokens=tokens, stop_on_eos=False)
+            result = generate(pair, RunSpec(pair=pair.target_name, prompt=prompt, strategy=name, preset="cpu",
+                                            max_new_tokens=tokens, stop_on_eos=False))
             committed += sum(it.committed for it in result.iterations)
             iterations += len(result.iterations)
         out[name] = committed / iterations
@@ -212,7 +210,7 @@ def write_tiny_report(args, rows, target_loss: float, seconds: float) -> None:
             for label in labels]
     per_seed = ["| " + f"{r['seed']} | {r['draft']} | " + " | ".join(f"{r[k]:.3f}" for k, _ in keys) + " |"
                 for r in rows]
-    settings = (f"`python scripts/talf.py tiny {' '.join(sys.argv[2:])}`\n\n"
+    settings = (f"`python -m scripts.talf tiny {' '.join(sys.argv[2:])}`\n\n"
                 f"target {args.target_layers} layers (hidden 128), text loss {target_loss:.3f} nats/byte after "
                 f"{args.target_steps} steps; draft 2 layers (hidden 64), {args.draft_pretrain} text steps, then "
                 f"{args.steps} steps (lr {args.lr}, batches of {args.batch}) on {args.sequences} target sequences of "

@@ -1,7 +1,7 @@
 """How fast the app streams: time from Run to the first tree, and the app's cost per iteration on top of decoding.
 
-    python scripts/ui_latency.py                      # tiny random pair, 5 runs of 96 tokens
-    python scripts/ui_latency.py --pair default --runs 2
+    python -m scripts.ui_latency                      # tiny random pair, 5 runs of 96 tokens
+    python -m scripts.ui_latency --pair default --runs 2
 
 Launches the app in this process on 127.0.0.1 and calls /run through gradio_client. Per run it records the wall time
 from submit to the first update holding a tree, and (wall time of the whole call - the decode time the run itself
@@ -16,11 +16,9 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any folder
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
@@ -63,7 +61,9 @@ def main(argv=None) -> None:
                 if first is None and any(has_tree(o) for o in job.outputs()):
                     first = time.perf_counter() - t0
                 time.sleep(0.005)
-            out = job.outputs()[-1]
+            outputs = job.outputs()
+            out = outputs[-1]
+            updates = sum("decoding with" in str(o[1]) for o in outputs)  # streamed updates (status line)
             wall = time.perf_counter() - t0
             first = first if first is not None else wall
             trace = json.loads(Path(out[2]).read_text())
@@ -72,8 +72,8 @@ def main(argv=None) -> None:
                 continue
             firsts.append(first)
             per_iter.append((wall - m["total_s"]) / m["iterations"])
-            print(f"run {i}: first tree {first * 1000:.0f} ms, {m['iterations']} iterations, decode "
-                  f"{m['total_s'] * 1000:.0f} ms, call {wall * 1000:.0f} ms")
+            print(f"run {i}: first tree {first * 1000:.0f} ms, {m['iterations']} iterations in {updates} streamed "
+                  f"updates, decode {m['total_s'] * 1000:.0f} ms, call {wall * 1000:.0f} ms")
     finally:
         demo.close()
     print(f"median time Run -> first tree: {statistics.median(firsts) * 1000:.0f} ms")
@@ -82,22 +82,24 @@ def main(argv=None) -> None:
 
 
 def update_cost(args) -> None:
+    from engine.session import RunSpec
     from treeviz import handlers
-    from treeviz.backend import BACKEND, Cancel, RunSpec, Step
-    from treeviz import figures as F
+    from treeviz.runs import BACKEND, Cancel, Step
+    from treeviz.throttle import BUILD_SHARE, MIN_UPDATE_INTERVAL_S
+    from treeviz.tree_figure import grow_frame
     spec = RunSpec(pair=args.pair, prompt="def f(n):\n", strategy=args.strategy, max_new_tokens=args.max_new_tokens)
     pair = BACKEND.pairs.ready(args.pair)
     costs, frame = [], None
     for item in BACKEND.decode(pair, spec, Cancel()):
-        if isinstance(item, Step):
+        if isinstance(item, Step):  # what handlers.LiveUpdates builds for one update, at every iteration
             t0 = time.perf_counter()
             snap = item.run.snapshot()
-            frame = F.grow_frame(frame, snap.iterations[-1])
+            frame = grow_frame(frame, snap.iterations[-1])
             handlers._streamed(spec, snap, frame)
             costs.append(time.perf_counter() - t0)
     print(f"building one streamed update: median {statistics.median(costs) * 1000:.1f} ms, "
           f"max {max(costs) * 1000:.1f} ms over {len(costs)} iterations (sent at most every "
-          f"{handlers.UPDATE_INTERVAL} s)")
+          f"{MIN_UPDATE_INTERVAL_S:.2f} s, and at least {(1 - BUILD_SHARE) / BUILD_SHARE:.0f}x an update's cost apart)")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,7 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.models import tiny_random_pair  # noqa: E402
+from engine.models import tiny_random_pair
 
 # Tiny models are all per-call overhead: extra threads only add contention. Real-model tests raise this.
 torch.set_num_threads(1)

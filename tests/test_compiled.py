@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from engine.compiled import GQA_SWITCH, CompileError, CompiledAR, compile_available, compiled_attention
-from engine.decoder import Decoder, encode_prompt
+from engine.decoder import Decoder
 from engine.kernels import router_of
 from engine.models import tiny_random_pair
+from engine.prompts import encode_prompt
 from engine.sampling import Sampling
 from engine.strategies import make_strategy
 

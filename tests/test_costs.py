@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from engine import costs as costs_mod
-from engine.costs import LADDER, ModelCosts, PairCosts, interpolate, model_costs
+from engine.costs import CONTEXTS, LADDER, PREFIX, ModelCosts, PairCosts, interpolate, model_costs
 from engine.autosize import WINDOW, AutoSizer
 from engine.decoder import Decoder
 from engine.kernels import router_of
 from engine.models import load_pair, tiny_random_pair
 from engine.strategies import STRATEGIES, make_strategy
-from engine.trace import IterationRecord
+from engine.trace import IterationCost, IterationRecord
 
 
 @pytest.fixture(autouse=True)
@@ -63,34 +63,60 @@ def test_cache_reused_and_invalidated_by_machine_model_dtype_torch(monkeypatch):
     measure = Counter()
     model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
     model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
-    assert len(measure.calls) == 1  # second load read the disk cache
+    fresh = 1 + len(CONTEXTS)  # a new table: one sweep per context length
+    assert len(measure.calls) == fresh  # second load read the disk cache
     model_costs(model, "tiny", torch.bfloat16, cpu, measure_fn=measure)  # another dtype
     model_costs(model, "other", torch.float32, cpu, measure_fn=measure)  # another model
     other = tiny_random_pair(None, seed=0, num_layers=3).target  # same name, another architecture
     model_costs(other, "tiny", torch.float32, cpu, measure_fn=measure)
-    assert len(measure.calls) == 4
+    assert len(measure.calls) == 4 * fresh
     real = costs_mod.machine
     monkeypatch.setattr(costs_mod, "machine", lambda d: {**real(d), "cpu": "another CPU"})
     model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
     monkeypatch.setattr(costs_mod, "machine", lambda d: {**real(d), "torch": "9.9"})
     model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
-    assert len(measure.calls) == 6
+    assert len(measure.calls) == 6 * fresh
     monkeypatch.setattr(costs_mod, "machine", real)
     model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
-    assert len(measure.calls) == 6  # back on the first machine: its table is still there
+    assert len(measure.calls) == 6 * fresh  # back on the first machine: its table is still there
     model_costs(model, "tiny", torch.float32, cpu, recalibrate=True, measure_fn=measure)
-    assert len(measure.calls) == 7
+    assert len(measure.calls) == 7 * fresh
 
 
 def test_a_new_path_is_measured_alone_and_merged():
     pair = tiny_random_pair("related", seed=0, packed=True)
     measure = Counter()
     first = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
-    assert measure.calls == [["plain", "packed"]] and first.measured
+    assert measure.calls == [["plain", "packed"]] * (1 + len(CONTEXTS)) and first.measured
     from engine.kernels import quantize_linears
     quantize_linears(pair.draft, "int8")
     second = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
     assert measure.calls[-1] == ["int8"] and set(second.seconds) == {"plain", "packed", "int8"}
+    assert all(set(t) == {"plain", "packed", "int8"} for t in second.contexts.values())
+
+
+def test_a_table_cached_before_context_lengths_loads_and_gains_them():
+    """A file in the one-context format (no "contexts") keeps its PREFIX table; only the other lengths are measured."""
+    model = tiny_random_pair(None, seed=0).target
+    cpu = torch.device("cpu")
+    key = costs_mod.table_key(model, "tiny", torch.float32, cpu)
+    old = {p: {str(r): 0.5 for r in LADDER} for p in ("plain",)}
+    costs_mod._write_json(costs_mod._key_file(key), {"key": key, "seconds": old, "measured_at": 0, "busy": None})
+    measure = Counter()
+    table_ = model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
+    assert table_.seconds == {"plain": {r: 0.5 for r in LADDER}}
+    assert len(measure.calls) == len(CONTEXTS) and set(table_.contexts) == set(CONTEXTS)
+
+
+def test_costs_interpolate_between_context_lengths():
+    long = 4 * PREFIX
+    costs = ModelCosts("t", {"plain": table(lambda r: 1.0 + r)}, contexts={long: {"plain": table(lambda r: 2.0 + r)}})
+    assert costs.time(4) == 5.0 and costs.time(4, context=PREFIX) == 5.0 and costs.time(4, context=long) == 6.0
+    assert costs.time(4, context=(PREFIX + long) // 2) == pytest.approx(5.5)
+    assert costs.time(4, context=10) == 5.0  # flat below the shortest context measured
+    assert costs.time(4, context=7 * PREFIX) == pytest.approx(7.0)  # the last slope beyond the longest
+    pair = PairCosts(costs, costs)
+    assert pair.predict([1], 4, context=long) == {"draft_s": 3.0, "verify_s": 6.0, "total_s": 9.0}
 
 
 def test_calibration_measures_every_path_and_installs_routing():
@@ -114,11 +140,11 @@ def test_records_carry_predicted_and_measured_cost():
     pair.costs = synthetic_pair(lambda r: 0.01 * r)
     result = Decoder(pair, make_strategy("dynatree")).generate("abc", max_new_tokens=12, stop_on_eos=False)
     for it in result.iterations:
-        cost = it.extra["cost"]
-        assert cost["verify_rows"] == len([n for n in it.nodes if n.status != "bonus"])
-        assert len(cost["draft_rows"]) == it.draft_forwards
-        assert cost["predicted_verify_s"] == pytest.approx(0.01 * cost["verify_rows"])
-        assert cost["measured_s"] == pytest.approx(it.times["draft"] + it.times["verify"])
+        cost = it.cost
+        assert cost.verify_rows == len([n for n in it.nodes if n.status != "bonus"])
+        assert len(cost.draft_rows) == it.draft_forwards
+        assert cost.predicted_verify_s == pytest.approx(0.01 * cost.verify_rows)
+        assert cost.measured_s == pytest.approx(it.times["draft"] + it.times["verify"])
     json.dumps(result.to_dict())
 
 
@@ -145,7 +171,7 @@ def test_auto_stops_where_verification_gets_expensive(monkeypatch):
     # verifying up to 4 rows costs one step, 8 rows ten (5 rows 3.25 by interpolation): the best chain has 3
     # drafted tokens (+ the root)
     strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05 if r <= 4 else 0.5), monkeypatch=monkeypatch)
-    last = result.iterations[-1].extra["cost"]["auto"]
+    last = result.iterations[-1].cost.auto
     assert last["best_size"] == 3 and strategy.config["k"] == 4  # 25 % headroom above the best
     assert result.iterations[-1].params["k"] == 4
 
@@ -162,42 +188,39 @@ def test_auto_preset_exists_for_every_strategy():
     assert {it.params["budget"] for it in result.iterations} == {STRATEGIES["dynatree"].presets["cpu"]["budget"]}
 
 
-def test_truncated_tree_counts_tokens_and_draft_levels():
-    from engine.autosize import Sample, truncated
+def test_a_level_builder_prices_its_first_nodes_level_by_level():
+    from engine.autosize import Sample, predicted
     # root 0 -> 1, 2; 1 -> 3, 4; 3 -> 5. Accepted path 1, 3, 5. Forwards made: root (3 rows with 2 pending), [1, 2],
     # [3, 4], [5].
     sample = Sample(parents=[-1, 0, 0, 1, 1, 3], depths=[0, 1, 1, 2, 2, 3], accepted=[1, 3, 5], first_rows=3,
-                    draft_rows=[3, 2, 2, 1], overhead_s=0.5)
+                    draft_rows=[3, 2, 2, 1], overhead_s=0.6)
     costs = synthetic_pair(lambda r: float(r), draft=lambda r: 0.1 * r)
-    assert truncated(sample, 5, costs) == (4, pytest.approx(0.3 + 0.2 + 0.2 + 0.1 + 6 + 0.5))  # as made
-    # first 3 nodes: 1, 2 (children of the root) and 3 (child of 1): levels root (3 rows) and [1] (1 row)
-    assert truncated(sample, 3, costs) == (3, pytest.approx(0.3 + 0.1 + 4 + 0.5))
-    assert truncated(sample, 1, costs) == (2, pytest.approx(0.3 + 2 + 0.5))
+    fixed = make_strategy("fixed")
+    at = lambda m, scale=(1.0, 1.0): predicted(sample, fixed.cost_at(sample, m), costs, scale)  # noqa: E731
+    assert at(5) == (4, pytest.approx(0.3 + 0.2 + 0.2 + 0.1 + 6 + 0.6))  # as made
+    # first 3 nodes: 1, 2 (children of the root) and 3 (child of 1): levels root (3 rows) and [1] (1 row); the
+    # overhead pro rata to the rows kept
+    assert at(3) == (3, pytest.approx(0.3 + 0.1 + 4 + 0.4))
+    assert at(1) == (2, pytest.approx(0.3 + 2 + 0.2))
+    assert at(5, (2.0, 0.5)) == (4, pytest.approx(2.0 * 0.8 + 0.5 * 6 + 0.6))  # scales apply to draft and verify apart
 
 
 def test_sizer_scales_the_table_by_the_windows_measured_times():
     # the real path: the tiny models' measured seconds against a table 10-500× off, as after a large drift
     strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05, draft=lambda r: 1e-4), tokens=40)
-    window = [it.extra["cost"] for it in result.iterations if it.index > 0][-WINDOW:]
-    draft = sum(c["measured_draft_s"] for c in window) / sum(c["predicted_draft_s"] for c in window)
-    verify = sum(c["measured_verify_s"] for c in window) / sum(c["predicted_verify_s"] for c in window)
-    assert result.iterations[-1].extra["cost"]["auto"]["table_scale"] == pytest.approx([draft, verify])
+    window = [it.cost for it in result.iterations if it.index > 0][-WINDOW:]
+    draft = sum(c.measured_draft_s for c in window) / sum(c.predicted_draft_s for c in window)
+    verify = sum(c.measured_verify_s for c in window) / sum(c.predicted_verify_s for c in window)
+    assert result.iterations[-1].cost.auto["table_scale"] == pytest.approx([draft, verify])
     assert result.metrics["cost_drift"]["iterations"] == len(result.iterations) - 1
-
-
-def test_truncated_tree_applies_the_scale_to_draft_and_verify_apart():
-    from engine.autosize import Sample, truncated
-    sample = Sample(parents=[-1, 0, 0, 1, 1, 3], depths=[0, 1, 1, 2, 2, 3], accepted=[1, 3, 5], first_rows=3,
-                    draft_rows=[3, 2, 2, 1], overhead_s=0.5)
-    costs = synthetic_pair(lambda r: float(r), draft=lambda r: 0.1 * r)
-    assert truncated(sample, 5, costs, (2.0, 0.5)) == (4, pytest.approx(2.0 * 0.8 + 0.5 * 6 + 0.5))
 
 
 def cost_record(index, draft, verify):
     it = IterationRecord(index=index, position=0, nodes=[], accepted_path=[0], bonus_token=0, bonus_text="",
                          new_tokens=[0], drafted=0, accepted=0, draft_forwards=0, params={}, times={})
-    it.extra["cost"] = {"predicted_draft_s": 1.0, "measured_draft_s": draft,
-                        "predicted_verify_s": 2.0, "measured_verify_s": 2.0 * verify}
+    it.cost = IterationCost(draft_rows=[], verify_rows=0, predicted_draft_s=1.0, predicted_verify_s=2.0,
+                            predicted_s=3.0, measured_draft_s=draft, measured_verify_s=2.0 * verify,
+                            measured_s=draft + 2.0 * verify)
     return it
 
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from engine import kv
-from engine.decoder import Decoder, PromptError
+from engine.decoder import Decoder
 from engine.models import tiny_random_pair
+from engine.prompts import PromptError
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
 from engine.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, load_run
 
@@ -165,12 +166,14 @@ def test_caches_equal_fresh_prefill(name, related_pair):
         if count == 25:
             break
     prompt_ids = related_pair.tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"]
-    committed = prompt_ids + run.generated
+    committed = prompt_ids + run.state.generated
     # The root (last committed token) is in neither cache yet.
     target_ref = _fresh_prefill(related_pair.target, committed[:-1])
-    assert kv.cache_length(run.target_cache) == len(committed) - 1
-    assert_same_cache(run.target_cache, target_ref)
-    drafter = run.drafter
+    assert kv.cache_length(run.state.target_cache) == len(committed) - 1
+    assert_same_cache(run.state.target_cache, target_ref)
+    drafter = run.state.drafter
+    if drafter is None:
+        return  # a strategy that drafts without the draft model (lookup) has no draft cache
     assert 0 < drafter.cached <= len(committed) - 1
     draft_ref = _fresh_prefill(related_pair.draft, committed[: drafter.cached])
     assert kv.cache_length(drafter.cache) == drafter.cached

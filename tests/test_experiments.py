@@ -1,13 +1,9 @@
 """Every experiment script runs end to end on the tiny pair and writes its table and figure."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import experiments  # noqa: E402
+from scripts import experiments
 
 
 @pytest.mark.parametrize("name", list(experiments.EXPERIMENTS))
@@ -15,7 +11,7 @@ def test_experiment_writes_table_and_figure(tmp_path, name):
     experiments.main([name, "--out", str(tmp_path), "--pair", "tiny-random", "--tokens", "6"])
     table = (tmp_path / f"{name}.md").read_text()
     rows = json.loads((tmp_path / f"{name}.json").read_text())
-    assert table.count("\n|") >= len(rows) >= 1 and "python scripts/experiments.py" in table
+    assert table.count("\n|") >= len(rows) >= 1 and "python -m scripts.experiments" in table
     assert "plotly" in (tmp_path / f"{name}.html").read_text().lower()
     if name != "calibration":
         assert all(r["L_bar"] >= 1 and r["speedup"] > 0 for r in rows)

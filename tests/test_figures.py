@@ -10,8 +10,10 @@ import pytest
 
 from engine.metrics import run_metrics
 from engine.trace import IterationRecord, NodeRecord, RunResult, load_run
-from treeviz import figures as F
+from treeviz.charts import charts_figure, throughput_figure
+from treeviz.html import badge_html, metrics_html, token_pieces, tokens_html
 from treeviz.layout import children_map, tidy_layout
+from treeviz.tree_figure import grow_frame, run_frame, tree_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,7 +90,7 @@ def node_traces(fig):
 
 
 def test_colour_scale_fixed_and_symbols_per_status():
-    fig = F.tree_figure(make_iteration(n=20, seed=3))
+    fig = tree_figure(make_iteration(n=20, seed=3))
     ca = fig.layout.coloraxis
     assert (ca.cmin, ca.cmax) == (0.0, 1.0) and ca.showscale and ca.colorbar.title.text
     symbols = {}
@@ -103,12 +105,12 @@ def test_colour_scale_fixed_and_symbols_per_status():
         assert symbols[status] == {symbol}, status
     # every outcome has its own shape, so the figure reads without colour
     assert len({next(iter(v)) for v in symbols.values()}) == len(symbols)
-    resampled = F.tree_figure(make_iteration(n=10, seed=1, resampled=True))
+    resampled = tree_figure(make_iteration(n=10, seed=1, resampled=True))
     assert "star-diamond" in {t.marker.symbol for t in node_traces(resampled)}
 
 
 def test_accepted_edges_thicker_and_outlined():
-    fig = F.tree_figure(make_iteration(n=25, seed=5))
+    fig = tree_figure(make_iteration(n=25, seed=5))
     edges = {t.name: t.line.width for t in fig.data if t.mode == "lines"}
     assert edges["edges: accepted"] > max(w for n, w in edges.items() if n != "edges: accepted")
     acc = next(t for t in node_traces(fig) if t.customdata[0][1] == "accepted")
@@ -118,7 +120,7 @@ def test_accepted_edges_thicker_and_outlined():
 
 def test_hover_escapes_html_and_shows_whitespace():
     it = make_iteration(n=8, seed=2, texts=["<b>", " \n\t", "a&b", 'say "hi"'])
-    fig = F.tree_figure(it)
+    fig = tree_figure(it)
     hovers = [h for t in node_traces(fig) for h in t.hovertext]
     labels = [x for t in node_traces(fig) for x in t.text]
     assert any("&lt;b&gt;" in h for h in hovers)
@@ -134,10 +136,10 @@ def test_hover_escapes_html_and_shows_whitespace():
 
 def test_axis_ranges_fixed_across_iterations():
     its = [make_iteration(index=i, n=5 + 12 * i, seed=i) for i in range(5)]
-    frame = F.run_frame(its)
+    frame = run_frame(its)
     ranges = set()
     for it in its:
-        fig = F.tree_figure(it, frame=frame)
+        fig = tree_figure(it, frame=frame)
         assert fig.layout.xaxis.autorange is False and fig.layout.yaxis.autorange is False
         ranges.add((tuple(fig.layout.xaxis.range), tuple(fig.layout.yaxis.range), fig.layout.height))
         for t in node_traces(fig):  # every node inside the frame
@@ -147,7 +149,7 @@ def test_axis_ranges_fixed_across_iterations():
     # live streaming: the frame only grows
     grown = None
     for it in its:
-        new = F.grow_frame(grown, it)
+        new = grow_frame(grown, it)
         if grown:
             assert new["x"][0] <= grown["x"][0] and new["x"][1] >= grown["x"][1]
             assert new["y"][0] <= grown["y"][0] and new["y"][1] >= grown["y"][1]
@@ -156,7 +158,7 @@ def test_axis_ranges_fixed_across_iterations():
 
 def test_large_tree_labels_accepted_path_only():
     it = make_iteration(n=300, seed=9)
-    fig = F.tree_figure(it)
+    fig = tree_figure(it)
     on_path = set(it.accepted_path)
     for t in node_traces(fig):
         for (nid, status), label in zip(t.customdata, t.text):
@@ -169,14 +171,14 @@ def test_large_tree_labels_accepted_path_only():
 def test_tokens_html_escapes_and_marks_provenance():
     trace = ROOT / "assets" / "traces"
     run = load_run(sorted(trace.glob("*.json"))[0])
-    html = F.tokens_html(run, selected=1)
+    html = tokens_html(run, selected=1)
     assert html.count("class='tv-tok") == len(run.output_ids)
     assert "tv-sel" in html and "iteration 1" in html
-    pieces = F.token_pieces(run)
+    pieces = token_pieces(run)
     assert [p["kind"] for p in pieces] == [s["kind"] for s in run.token_sources]
     assert [p["text"] for p in pieces] == [s["text"] for s in run.token_sources]  # the engine's text, per token
     run.prompt = "<script>alert(1)</script>"
-    assert "<script>" not in F.tokens_html(run)
+    assert "<script>" not in tokens_html(run)
 
 
 def make_run(its, tokens_per_s=10.0, comparison=None) -> RunResult:
@@ -190,25 +192,25 @@ def make_run(its, tokens_per_s=10.0, comparison=None) -> RunResult:
 def test_charts_read_the_runs_metrics():
     its = [make_iteration(index=i, n=10, seed=i) for i in range(4)]
     run = make_run(its, comparison={"exact_match": False, "first_divergence": 5, "reference_margin": 0.01})
-    fig = F.charts_figure(run, selected=2)
+    fig = charts_figure(run, selected=2)
     by_name = {t.name: t for t in fig.data}
     lbar = next(t for name, t in by_name.items() if name.startswith("L̄ ="))
     assert list(lbar.y) == [run.metrics["mean_tokens_per_iter"]] * 2
     assert list(by_name["P(ℓ ≥ d)"].y) == run.metrics["per_depth_acceptance"]
     assert {"acceptance rate", "draft", "verify"} <= set(by_name)
-    total = F.charts_figure(run, stage_mode="total")
+    total = charts_figure(run, stage_mode="total")
     verify = next(t for t in total.data if t.name == "verify")
     assert list(verify.y) == [run.metrics["stage_s"]["verify"] * 1000]
-    html = F.metrics_html(run)
+    html = metrics_html(run)
     assert f"{run.metrics['mean_tokens_per_iter']:.2f}" in html and f"{run.metrics['acceptance_rate']:.2f}" in html
 
 
 def test_badge_and_throughput():
     run = make_run([make_iteration(index=i, n=10, seed=i) for i in range(4)],
                    comparison={"exact_match": False, "first_divergence": 5, "reference_margin": 0.01})
-    assert "differs from AR from token 5" in F.badge_html(run.comparison)
-    assert "matches AR" in F.badge_html({"exact_match": True, "compared_tokens": 9})
-    tp = F.throughput_figure(run, make_run([make_iteration()], tokens_per_s=5.0))
+    assert "differs from AR from token 5" in badge_html(run.comparison)
+    assert "matches AR" in badge_html({"exact_match": True, "compared_tokens": 9})
+    tp = throughput_figure(run, make_run([make_iteration()], tokens_per_s=5.0))
     assert "speedup" in tp.layout.title.text and f"{run.metrics['tokens_per_s'] / 5.0:.2f}×" in tp.layout.title.text
     assert "over AR (eager)" in tp.layout.title.text  # the app's AR is eager; bench also times a compiled one
 
@@ -216,20 +218,21 @@ def test_badge_and_throughput():
 def test_text_of_a_trace_without_token_texts_is_shown_whole():
     run = make_run([make_iteration()])
     run.output_text = "old <trace>"
-    pieces = F.token_pieces(run)
+    pieces = token_pieces(run)
     assert pieces == [{"text": "old <trace>", "kind": "prefill", "iteration": -1, "margin": None}]
-    assert "old &lt;trace&gt;" in F.tokens_html(run)
+    assert "old &lt;trace&gt;" in tokens_html(run)
 
 
 def test_figures_do_not_import_torch():
-    code = "import sys, treeviz.figures, treeviz.layout; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, treeviz.tree_figure, treeviz.charts, treeviz.html, treeviz.layout; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_hover_says_how_many_draws_a_merged_node_stands_for():
     it = make_iteration(n=8, seed=2)
     it.nodes[1].draws = 3
-    fig = F.tree_figure(it)
+    fig = tree_figure(it)
     hovers = [h for t in node_traces(fig) for h in t.hovertext]
     assert sum("drawn 3× at its parent" in h for h in hovers) == 1
     assert not any("drawn 1×" in h for h in hovers)
@@ -237,8 +240,8 @@ def test_hover_says_how_many_draws_a_merged_node_stands_for():
 
 def test_tree_title_says_what_the_neural_selector_chose():
     it = make_iteration()
-    assert "selector" not in F.tree_figure(it).layout.title.text
+    assert "selector" not in tree_figure(it).layout.title.text
     it.extra["selector"] = {"k": 3, "l1": 0, "l2": 2, "predicted_tokens_per_s": 11.04}
-    assert "selector chose (K, L1, L2) = (3, 0, 2), predicted 11.0 tok/s" in F.tree_figure(it).layout.title.text
+    assert "selector chose (K, L1, L2) = (3, 0, 2), predicted 11.0 tok/s" in tree_figure(it).layout.title.text
     it.extra["selector"]["predicted_tokens_per_s"] = None  # a pair without a cost table
-    assert F.tree_figure(it).layout.title.text.endswith("(3, 0, 2)")
+    assert tree_figure(it).layout.title.text.endswith("(3, 0, 2)")

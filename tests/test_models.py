@@ -6,18 +6,16 @@ import functools
 import hashlib
 import importlib.util
 import itertools
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine import models  # noqa: E402
-from engine.models import devices, packaged  # noqa: E402
-from engine.models import (  # noqa: E402
+from engine import models
+from engine.models import devices, packaged
+from engine.runtime import cache_dir
+from engine.models import (
     PAIRS,
     ModelLoadError,
     PackagedModel,
@@ -326,8 +324,9 @@ def test_draft_reuses_identical_tokenizer(tmp_path):
 
 
 def test_refuses_vocab_size_mismatch(tmp_path):
+    # different sizes are only padding rows (allowed: tests/test_padded_vocab.py) when the tokenizers are identical
     target = save_tiny(tmp_path / "t")
-    draft = save_tiny(tmp_path / "d", config=tiny_config(vocab_size=300))
+    draft = save_tiny(tmp_path / "d", config=tiny_config(vocab_size=300), tokenizer=tiny_tokenizer(["<|x|>"]))
     with pytest.raises(ModelLoadError, match="vocab"):
         load_pair(str(target), str(draft), dtype="fp32", device="cpu")
 
@@ -479,11 +478,11 @@ def test_default_spec_reports_missing_packages(tmp_path, monkeypatch):
 
 def test_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path / "c"))
-    assert models.cache_dir() == tmp_path / "c"
+    assert cache_dir() == tmp_path / "c"
     monkeypatch.delenv("TREEVIZ_CACHE")
-    assert models.cache_dir() == Path.home() / ".cache" / "treeviz"
+    assert cache_dir() == Path.home() / ".cache" / "treeviz"
     repo = Path(__file__).resolve().parent.parent
-    assert repo not in models.cache_dir().resolve().parents
+    assert repo not in cache_dir().resolve().parents
 
 
 # ---- default pair end to end, on a tiny GGUF shipped in fake chunk packages --------------------------------------
@@ -558,7 +557,7 @@ def bf16_rounded_tiny():
 
 
 def test_default_path_assembles_converts_caches_and_reloads(tiny_gguf_package, monkeypatch):
-    cache = models.cache_dir()
+    cache = cache_dir()
     (cache / "converted").mkdir(parents=True)
     stale = cache / "converted" / ".tmp-0123456789abcdef-999999999"  # left by a crashed run (no such pid)
     stale.mkdir()
@@ -604,7 +603,7 @@ def test_failed_conversion_leaves_no_cache(tiny_gguf_package, monkeypatch):
         patch.setattr(PreTrainedModel, "save_pretrained", disk_full)
         with pytest.raises(ModelLoadError, match="No space left"):
             load_model("default", dtype="bf16", device="cpu")
-    cache = models.cache_dir()
+    cache = cache_dir()
     assert [p for p in cache.rglob("*") if p.is_file()] == []  # no .gguf, no temp dir, no half cache
     model, _, _ = load_model("default", dtype="bf16", device="cpu")  # a later run starts over and succeeds
     assert model.dtype == torch.bfloat16

@@ -11,11 +11,11 @@ from engine.decoder import Decoder
 from engine.metrics import calibration, run_metrics
 from engine.sampling import Sampling
 from engine.strategies import make_strategy
-from engine.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationRecord, NodeRecord,
-                          RunResult, TraceError, run_from_dict)
-from treeviz.figures import visible_token
+from engine.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationCost, IterationRecord,
+                          NodeRecord, RunResult, TraceError, run_from_dict)
+from treeviz.html import visible_token
 from treeviz.inspector import default_node, inspect, inspector_figure, reason
-from treeviz.panels import calibration_figure, cost_figure, cost_rows
+from treeviz.charts import calibration_figure, cost_figure, cost_rows
 
 
 # -- records carry the top of p and q ------------------------------------------------------------------------------
@@ -81,6 +81,9 @@ def test_a_schema_1_trace_still_loads_with_empty_top_lists(greedy_run):
     for it in old["iterations"]:
         for node in it["nodes"]:
             del node["next_p"], node["next_q"]
+        cost = it.pop("cost", None)  # before schema 3 the cost record sat in `extra`
+        if cost is not None:
+            it.setdefault("extra", {})["cost"] = cost
     run = run_from_dict(old)
     assert all(not n.next_p and not n.next_q for it in run.iterations for n in it.nodes)
     shown, summary, figure = inspect(run, 0, 1)  # the inspector says what is missing instead of failing
@@ -193,10 +196,10 @@ def cost_run(comparison=None) -> RunResult:
     for i, (rows, d_rows, committed) in enumerate(((8, [2, 4], 3), (16, [2, 4, 8], 1), (4, [2], 2))):
         it = iteration([node(1, 0, 0.5, ACCEPTED)], index=i)
         it.new_tokens = [1] * committed
-        it.extra["cost"] = {"draft_rows": d_rows, "verify_rows": rows, "predicted_draft_s": 0.01 * len(d_rows),
-                            "predicted_verify_s": 0.002 * rows, "predicted_s": 0.01 * len(d_rows) + 0.002 * rows,
-                            "measured_draft_s": 0.012 * len(d_rows), "measured_verify_s": 0.0025 * rows,
-                            "measured_s": 0.012 * len(d_rows) + 0.0025 * rows}
+        it.cost = IterationCost(draft_rows=d_rows, verify_rows=rows, predicted_draft_s=0.01 * len(d_rows),
+                                predicted_verify_s=0.002 * rows, predicted_s=0.01 * len(d_rows) + 0.002 * rows,
+                                measured_draft_s=0.012 * len(d_rows), measured_verify_s=0.0025 * rows,
+                                measured_s=0.012 * len(d_rows) + 0.0025 * rows)
         its.append(it)
     metrics = run_metrics(its, 7, 0.7, 0.05)  # 10 tokens/s
     return RunResult(prompt="p", prompt_ids=[1], output_ids=[0] * 7, output_text="", strategy="x", params={},
@@ -231,21 +234,21 @@ def test_cost_panel_without_ar_or_records_says_so():
 def iteration_run_without_costs() -> RunResult:
     run = cost_run()
     for it in run.iterations:
-        it.extra.pop("cost")
+        it.cost = None
     return run
 
 
 def test_top_k_lists_each_rows_most_probable_tokens(related_pair):
-    from engine.decoder import _top_k
+    from engine.records import top_k
     tok = related_pair.tokenizer
     probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
-    out = _top_k(tok, probs)
+    out = top_k(tok, probs)
     for row, entries in zip(probs, out):
         values, ids = torch.topk(row, TOP_K)
         assert [e[0] for e in entries] == ids.tolist()
         assert [e[1] for e in entries] == pytest.approx(values.tolist(), rel=1e-3)
         assert [e[2] for e in entries] == [tok.decode([i]) for i in ids.tolist()]
-    assert _top_k(tok, probs[:0]) == []
+    assert top_k(tok, probs[:0]) == []
 
 
 def test_cost_panel_title_says_how_far_the_run_is_from_the_table():

@@ -1,4 +1,5 @@
-"""The delayed-tree neural selector (engine/selector.py): action space, estimator, training, and decoding with it.
+"""The delayed-tree neural selector (engine/selector.py, engine/selector_train.py): action space, estimator,
+training, and decoding with it.
 
 - every action is a legal delayed tree, and every choice the selector makes is one of them;
 - Eq. 3's inner sum with Appendix D's branching probabilities equals, tree by tree, the exact expected committed
@@ -15,6 +16,7 @@ from chisq import chi_square_pvalue
 from exact import FakeDrafter, Rows, ToyModel, contexts_of, outcomes
 from test_sampling import ALPHA, PROMPT, RUNS, SAMPLING, V, target_joint, tiny_v8_pair
 from engine import selector as neural
+from engine import selector_train
 from engine.decoder import Decoder
 from engine.sampling import Sampling
 from engine.strategies import make_strategy
@@ -37,7 +39,7 @@ def test_draft_rows_follow_delayed():
 
 
 # -- the estimator against exact enumeration ------------------------------------------------------------------------
-def action_tree(cover: neural.Cover, big: DraftTree, action) -> DraftTree:
+def action_tree(cover: selector_train.Cover, big: DraftTree, action) -> DraftTree:
     """The action's delayed tree as its own DraftTree (child draws in draw order, q as drawn)."""
     tree, ids = DraftTree(root_token=big.tokens[0]), {0: 0}
     draws = cover.draws(action)
@@ -54,12 +56,12 @@ def test_estimator_equals_the_enumerated_walk(rule):
     big = DraftTree(root_token=5)
     generator = torch.Generator().manual_seed(1)
     draw = lambda dist, count: torch.multinomial(dist.float(), count, True, generator=generator).tolist()  # noqa
-    cover = neural.grow_cover(FakeDrafter(model, big), big, draw)
+    cover = selector_train.grow_cover(FakeDrafter(model, big), big, draw)
     p = Rows(model, contexts_of(big))
     q = big.child_dist
     verifier = make_verifier(rule)
     for action in [(1, 0, 1), (2, 1, 1), (3, 0, 2), (2, 2, 2), (4, 1, 2), (1, 3, 0), (1, 2, 3)]:
-        estimate = neural.block_efficiency(rule, cover.draws(action), big.tokens, p, q)
+        estimate = selector_train.block_efficiency(rule, cover.draws(action), big.tokens, p, q)
         tree = action_tree(cover, big, action)
         rows = Rows(model, contexts_of(tree))
         exact = sum(w * len(path) for w, path in outcomes(lambda rng: verifier.walk(tree, rows, rng).path))
@@ -82,14 +84,14 @@ def synthetic(n: int, seed: int, target_dim: int = 8, draft_dim: int = 6) -> dic
 
 @pytest.fixture(scope="module")
 def trained():
-    return neural.train(synthetic(512, seed=0), epochs=60)
+    return selector_train.train(synthetic(512, seed=0), epochs=60)
 
 
 def test_selector_learns_the_known_optimum(trained):
     held = synthetic(256, seed=1)
     logits, efficiency = trained(held["target_hidden"], held["draft_hidden"], held["scalars"])
     assert (logits.argmax(-1) == held["good"]).float().mean() > 0.95
-    report = neural.evaluate(trained, held)
+    report = selector_train.evaluate(trained, held)
     assert report["selector_tps"] > 1.4 * report["best_fixed_tps"]  # 4.0 against 2.6
 
 
@@ -128,7 +130,7 @@ def selector_for(pair, seed: int = 0) -> neural.Selector:
     good = torch.where(entropy < 1.0, neural.ACTIONS.index((1, 4, 0)), neural.ACTIONS.index((4, 0, 2)))
     data["efficiency"] = torch.full_like(data["efficiency"], 1.2)
     data["efficiency"][torch.arange(n), good] = 4.0
-    return neural.train(data, epochs=40, seed=seed)
+    return selector_train.train(data, epochs=40, seed=seed)
 
 
 def neural_delayed(pair, seed: int = 0):
@@ -178,7 +180,7 @@ def test_selector_choices_do_not_touch_the_default_path(related_pair):
     for record in run:
         assert not related_pair.target.base_model.norm._forward_hooks
         assert "selector" not in record.extra
-    assert run.drafter.taps is None and not run.drafter.dists
+    assert run.state.drafter.taps is None and not run.state.drafter.dists
 
 
 class _Tree:
@@ -194,12 +196,7 @@ class _Tree:
 
 
 def test_compact_support_keeps_overlap_and_residual_mass_exact():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).parent.parent / "scripts" / "selector_data.py"
-    spec = importlib.util.spec_from_file_location("selector_data_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from scripts import selector_data as script
     g = torch.Generator().manual_seed(0)
     vocab = 2000  # flat enough that most of the mass lies outside the kept top 16
     p_row = torch.softmax(torch.randn(vocab, generator=g), -1)
@@ -214,8 +211,8 @@ def test_compact_support_keeps_overlap_and_residual_mass_exact():
     for node, token in zip((1, 2, 3), children):
         assert float(p[0][tokens[node]]) == pytest.approx(float(p_row[token]))
         # SpecInfer's chance to emit the first draw is the same on the short support as on the vocabulary
-        short = neural.branching("specinfer", p[0], q[0], [tokens[node]])[tokens[node]]
-        whole = neural.branching("specinfer", p_row, q_row, [token])[token]
+        short = selector_train.branching("specinfer", p[0], q[0], [tokens[node]])[tokens[node]]
+        whole = selector_train.branching("specinfer", p_row, q_row, [token])[token]
         assert short == pytest.approx(whole)
     lumped = float(torch.minimum(p[0][:-3], q[0][:-3]).sum() + min(p[0][-3:].sum(), q[0][-3:].sum()))
     assert lumped > float(full) + 0.05  # what one tail bucket would have claimed

@@ -13,6 +13,7 @@ import torch
 from engine.decoder import Decoder
 from engine.drafter import Drafter
 from engine.models import tiny_random_pair
+from engine.sampling import Sampling
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
 from engine.strategies.ddtree import best_first_prefixes
 from engine.strategies.dyspec import dfs_order
@@ -164,6 +165,7 @@ def path_dist(path: tuple[int, ...], peak: float = 3.0) -> torch.Tensor:
 
 class FakeDrafter:
     """Enforces the Drafter protocol: root alone first, every node once, ancestors before (or with) a node."""
+    generator = None  # the Drafter's: None when decoding greedily
 
     def __init__(self, tree, peak=3.0):
         self.tree, self.peak = tree, peak
@@ -478,38 +480,79 @@ def test_registered_with_both_presets():
     assert make_strategy("eagle2", "paper").config == {"n": 60, "k": 10, "depth": 7}
 
 
-@pytest.mark.parametrize("start", [
-    {"d0": 1, "d_max": 8, "tau_h": 0.97, "tau_l": 0.4, "rho_deep": 0.2, "rho_stop": 0.1},  # outside the clip ranges
-    {"d0": 7, "d_max": 8, "tau_h": 0.5, "tau_l": 0.4, "rho_deep": 0.85, "rho_stop": 0.1},
-    {"d0": 5, "d_max": 8, "tau_h": 0.9, "tau_l": 0.4, "rho_deep": 0.5, "rho_stop": 0.1},  # the paper's defaults
-])
-@pytest.mark.parametrize("rate", [0.0, 1.0])
-def test_dynatree_history_never_moves_a_parameter_the_wrong_way(start, rate):
-    """High acceptance: D0 never falls, tau_h and rho_deep never rise; low acceptance: the reverse (DESIGN §3)."""
-    strategy = make_strategy("dynatree", **start)
-    for _ in range(30):
-        before = dict(strategy.state)
-        strategy.observe(int(rate * 10), 10)
-        after = strategy.state
-        sign = 1 if rate > 0.7 else -1
-        assert sign * (after["d0"] - before["d0"]) >= 0
-        assert sign * (after["tau_h"] - before["tau_h"]) <= 0
-        assert sign * (after["rho_deep"] - before["rho_deep"]) <= 0
-    if start["d0"] == 5:  # the paper's defaults end at the bound in the step's direction
-        assert strategy.state == ({"d0": 7, "tau_h": 0.5, "rho_deep": 0.3} if rate > 0.7 else
-                                  {"d0": 2, "tau_h": 0.95, "rho_deep": 0.8})
+def dynatree_run(strategy, accepted_share: float, iterations: int) -> list[int]:
+    """Build on the fake draft and report `accepted_share` of the tree's depth accepted, `iterations` times; D0 after
+    each (build, then observe: the decoder's order)."""
+    d0 = []
+    for _ in range(iterations):
+        tree = DraftTree(root_token=-1)
+        strategy.build(FakeDrafter(tree), tree)
+        strategy.observe(round(accepted_share * tree.max_depth), tree.num_drafted)
+        d0.append(strategy.current_params()["d0"])
+    return d0
 
 
-def test_dynatree_history_cases_from_the_issue():
-    low = make_strategy("dynatree", d0=1, d_max=8)  # D0 = 1 made "more conservative" used to rise to 2
-    low.observe(0, 10)
-    assert low.state["d0"] == 1
-    hot = make_strategy("dynatree", tau_h=0.97, tau_l=0.4)  # tau_h > 0.95 used to be lowered under low acceptance
-    hot.observe(0, 10)
-    assert hot.state["tau_h"] == 0.97
-    deep = make_strategy("dynatree", rho_deep=0.2, rho_stop=0.1)  # rho_deep < 0.3 used to rise under high acceptance
-    deep.observe(10, 10)
-    assert deep.state["rho_deep"] == 0.2
+def test_dynatree_history_moves_both_ways_and_comes_back():
+    strategy = make_strategy("dynatree", "paper", budget=64, window=4)
+    start = dict(strategy.state)
+    up = dynatree_run(strategy, 1.0, 8)  # every offered path accepted whole: deeper, more nodes count as confident
+    assert up[-1] == 7 and strategy.state["tau_h"] < start["tau_h"] and strategy.state["tau_l"] < start["tau_l"]
+    assert up == sorted(up)
+    down = dynatree_run(strategy, 0.0, 12)  # nothing accepted: shallower and wider
+    assert down[-1] == 1 and down == sorted(down, reverse=True)
+    assert strategy.state["tau_h"] > start["tau_h"] and strategy.state["tau_l"] > start["tau_l"]
+    back = dynatree_run(strategy, 1.0, 12)
+    assert back[-1] == 7
+    assert strategy.state["tau_l"] <= strategy.state["tau_h"]
+
+
+def test_dynatree_history_off_holds_the_configured_values():
+    strategy = make_strategy("dynatree", "paper", budget=64, history=False)
+    before = dict(strategy.state)
+    dynatree_run(strategy, 0.0, 5)
+    assert strategy.state == before
+
+
+@pytest.mark.parametrize("pair_name,direction", [("identical", 1), ("unrelated", -1)])
+def test_dynatree_history_on_real_pairs(pair_name, direction):
+    """A draft equal to the target (accepts everything) makes DynaTree more aggressive; an unrelated one, less."""
+    pair = tiny_random_pair(pair_name, seed=0, dtype=torch.float32)
+    strategy = make_strategy("dynatree", window=4)
+    start = strategy.current_params()
+    result = Decoder(pair, strategy).generate("hello world", max_new_tokens=40, stop_on_eos=False)
+    last = result.iterations[-1].params
+    assert direction * (last["d0"] - start["d0"]) > 0
+    assert direction * (last["tau_h"] - start["tau_h"]) < 0
+
+
+class TopTwoDrafter(FakeDrafter):
+    """The fake draft under a sampling cut (as top-k = 2 or a small top-p leaves it): all but two tokens have q = 0."""
+
+    def expand(self, nodes):
+        dists = super().expand(nodes)
+        cut = dists < dists.topk(2, dim=-1).values[:, -1:]
+        return torch.where(cut, 0.0, dists) / torch.where(cut, 0.0, dists).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("name,params", [("eagle2", {"k": 4, "n": 30, "depth": 3}), ("fixed", {"branch": 4}),
+                                         ("dynatree", {"b_max": 4, "tau": 0.0}), ("salf", {"th": 0.0}),
+                                         ("dyspec", {"threshold_variant": False}), ("ddtree", {}),
+                                         ("dyspec", {"threshold": 0.0})])
+def test_no_child_with_zero_draft_probability(name, params):
+    strategy = make_strategy(name, **params)
+    tree = DraftTree(root_token=-1)
+    strategy.build(TopTwoDrafter(tree), tree)
+    assert tree.num_drafted > 2 and all(q > 0.0 for q in tree.q[1:])
+    assert max(len(c) for c in tree.children) == 2  # the two tokens with q > 0 were drafted, nothing else
+
+
+def test_eagle2_under_top_p_drafts_no_zero_probability_node(pairs):
+    """The audit's case, on the production path: EAGLE-2 at T = 0.7, top-p 0.5 drafted nodes with q = 0."""
+    sampling = Sampling(temperature=0.7, top_p=0.5, seed=0)
+    result = Decoder(pairs["related0"], make_strategy("eagle2", "paper"), sampling=sampling).generate(
+        "hello world", max_new_tokens=20, stop_on_eos=False)
+    drafted = [n for it in result.iterations for n in it.nodes if n.status not in (ROOT, BONUS)]
+    assert drafted and all(n.q > 0.0 for n in drafted)
 
 
 def test_delayed_records_carry_draw_counts(pairs):

@@ -214,12 +214,8 @@ def test_resumed_adapter_keeps_training_and_its_run_record(tmp_path):
 
 
 def talf_script():
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("talf_script", Path(__file__).parent.parent / "scripts" / "talf.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    from scripts import talf
+    return talf
 
 
 def test_tiny_experiment_writes_table_and_figure(tmp_path):

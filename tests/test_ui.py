@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,67 @@ def test_the_result_shows_before_ar_and_ar_is_cached(client):
     assert "matches AR" in again[BADGE]
 
 
+def test_the_badge_says_whether_ar_was_measured_now_or_reused_and_when(client):
+    """The first run on a prompt measures AR and says so; a later run on it reuses that AR and gives its time."""
+    prompt = "def badge_source(n):\n"
+    first = client.predict(prompt, False, "tiny-random", "linear", "cpu", 12, api_name="/run")
+    trace = json.loads(Path(first[DOWNLOAD]).read_text())
+    assert trace["comparison"]["ar_reused"] is False
+    measured = re.search(r"AR measured for this run \((\d\d:\d\d:\d\d UTC)\)", first[BADGE])
+    assert measured, first[BADGE]
+    assert "AR measured for this run" in plot_data(first[THROUGHPUT])["layout"]["title"]["text"]
+    again = client.predict(prompt, False, "tiny-random", "fixed", "cpu", 12, api_name="/run")
+    reused = re.search(r"AR reused from the cache: measured at (\d\d:\d\d:\d\d UTC), (\d+) s earlier",
+                       again[BADGE])
+    assert reused and reused.group(1) == measured.group(1), again[BADGE]
+    comparison = json.loads(Path(again[DOWNLOAD]).read_text())["comparison"]
+    assert comparison["ar_reused"] is True and comparison["ar_measured_at"] == trace["comparison"]["ar_measured_at"]
+    assert "AR reused from the cache" in plot_data(again[THROUGHPUT])["layout"]["title"]["text"]
+    table = client.predict(prompt, False, "tiny-random", "linear", "cpu", 12, methods=["fixed"],
+                           api_name="/compare")
+    assert "AR reused from the cache: measured at " + measured.group(1) in table[STATUS]
+
+
+def test_a_throttled_stream_still_delivers_every_iteration(monkeypatch):
+    """However few updates the throttle lets through, the final view and the trace hold every iteration."""
+    from functools import partial
+
+    from engine.session import RunSpec
+    from engine.trace import load_run
+    from treeviz import handlers
+    from treeviz.throttle import UpdateThrottle
+
+    backend()  # the app (and its tiny pair) is up: the handler reads the pair from the process-wide backend
+    monkeypatch.setattr(handlers, "UpdateThrottle", partial(UpdateThrottle, min_interval=3600.0))
+    spec = RunSpec(pair="tiny-random", prompt="def throttled(n):\n", strategy="dynatree", max_new_tokens=40)
+    outputs = list(handlers.decode_views(spec, "throttle-session", "per iteration"))
+    streamed = [o for o in outputs if "decoding with" in str(o[3])]
+    assert len(streamed) == 1  # only the first iteration went out live: the rest were batched
+    final = outputs[-1]
+    run, n = final[0], final[0].metrics["iterations"]
+    assert n > 3 and [it.index for it in run.iterations] == list(range(n))
+    scrubber = next(o[2] for o in reversed(outputs) if "maximum" in o[2])
+    assert scrubber["maximum"] == scrubber["value"] == n - 1  # the scrubber reaches every iteration
+    assert [it.index for it in load_run(final[4]).iterations] == list(range(n))  # and so does the trace
+
+
+def test_the_throttle_bounds_the_rate_and_the_share_of_time_updates_take():
+    from treeviz.throttle import UpdateThrottle
+    now = [0.0]
+    throttle = UpdateThrottle(min_interval=1.0, share=0.1, clock=lambda: now[0])
+    assert throttle.due()  # the first update goes at once
+    throttle.sent(started=0.0)  # a cheap update: the bounded rate decides
+    now[0] = 0.9
+    assert not throttle.due()
+    now[0] = 1.0
+    assert throttle.due()
+    throttle.sent(started=0.5)  # an update that took 0.5 s: the next waits 9 x 0.5 s (updates <= 10% of the time)
+    now[0] = 1.0 + 4.4
+    assert not throttle.due()
+    now[0] = 1.0 + 4.6
+    assert throttle.due()
+
+
 def test_node_inspector_through_the_api(client):
     out = client.predict("def inspect_me(n):\n", False, "tiny-random", "dynatree", "cpu", 16, api_name="/run")
     trace = json.loads(Path(out[DOWNLOAD]).read_text())
@@ -124,7 +186,14 @@ def test_run_takes_strategy_parameters_by_name(client):
     assert default["params"]["k"] == STRATEGIES["linear"].presets["cpu"]["k"]  # left out: the preset's value
 
 
-def test_a_run_streams_several_updates(client):
+def test_a_run_streams_several_updates(client, monkeypatch):
+    """The tree streams while decoding (the tiny pair decodes 256 tokens in about a second: the throttle's interval
+    is lowered here so that several updates fall inside the run; the app serves in this process)."""
+    from functools import partial
+
+    from treeviz import handlers
+    from treeviz.throttle import UpdateThrottle
+    monkeypatch.setattr(handlers, "UpdateThrottle", partial(UpdateThrottle, min_interval=0.02))
     job = client.submit("def stream(n):\n", False, "tiny-random", "dynatree", "cpu", 256, api_name="/run")
     job.result(timeout=120)
     trees = [o for o in job.outputs() if is_plot(o[TREE]) and tree_nodes(o[TREE]) >= 2]
@@ -218,8 +287,9 @@ def test_preset_and_example_update_controls(client):
 
 
 def test_examples_fall_back_when_prompt_files_are_missing(tmp_path, monkeypatch):
+    import engine.prompts
     import treeviz.ui as ui
-    monkeypatch.setattr(ui, "PROMPT_DIR", tmp_path)
+    monkeypatch.setattr(engine.prompts, "PROMPT_DIR", tmp_path)
     assert ui.load_examples() == ui.FALLBACK_PROMPTS
     (tmp_path / "code.json").write_text("{broken")
     assert ui.load_examples() == ui.FALLBACK_PROMPTS
@@ -231,8 +301,9 @@ def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
     import time
 
     import engine.models as models
-    import treeviz.backend as backend_module
-    from treeviz.backend import PairManager, UserError
+    import treeviz.pairs as pairs_module
+    from treeviz.errors import UserError
+    from treeviz.pairs import PairManager
 
     release = threading.Event()
     real = models.load_pair
@@ -244,7 +315,7 @@ def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
             raise models.ModelLoadError("fake: not today")
         return real(target, draft, progress=progress, **kw)
 
-    monkeypatch.setattr(backend_module, "load_pair", fake_load)
+    monkeypatch.setattr(pairs_module, "load_pair", fake_load)
     pm = PairManager()
     pm.request("default")
     deadline = time.time() + 10
@@ -286,7 +357,8 @@ def test_any_rule_by_name_through_the_api(client):
 
 
 def test_ar_cache_keys_on_what_changes_ar_and_stays_bounded():
-    from treeviz.backend import ARCache, RunSpec
+    from engine.session import RunSpec
+    from treeviz.ar_cache import ARCache
     greedy = RunSpec(pair="tiny-random", prompt="p", strategy="linear", max_new_tokens=8)
     same = RunSpec(pair="tiny-random", prompt="p", strategy="dynatree", max_new_tokens=8, top_p=0.5, seed=7)
     assert ARCache.key("tiny-random", "float32", greedy) == ARCache.key("tiny-random", "float32", same)  # greedy AR

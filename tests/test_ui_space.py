@@ -16,7 +16,7 @@ from spaces.zero.gradio import error as zero_gpu_error  # noqa: E402  (how `spac
 
 from test_ui_support import app_url, backend  # noqa: E402
 from treeviz import handlers  # noqa: E402
-from treeviz.backend import RunSpec  # noqa: E402
+from engine.session import RunSpec  # noqa: E402
 from treeviz.gpu import is_zero_gpu_error, zero_gpu_message  # noqa: E402
 from treeviz.replay import MAX_TRACE_MB  # noqa: E402
 
@@ -116,7 +116,8 @@ def test_space_front_matter_matches_the_app():
     requirement line is ZeroGPU's range."""
     from pathlib import Path
 
-    from treeviz.backend import GPU_PRESET, HUB_PRESETS, split_pair
+    from engine.session import split_pair
+    from treeviz.pairs import GPU_PRESET, HUB_PRESETS
     root = Path(__file__).resolve().parent.parent
     front = (root / "README.md").read_text().split("---")[1]
     lines = [line.strip() for line in front.splitlines()]

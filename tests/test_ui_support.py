@@ -21,8 +21,9 @@ def app_url() -> str:
     """Launch the app once per test process; return its URL."""
     if "url" not in _APP:
         from treeviz.ui import build_demo, launch_kwargs
+        from treeviz.runs import BACKEND
         demo = build_demo(initial_pair="tiny-random")
-        assert demo._treeviz_backend.pairs.name == "tiny-random"  # the real default pair is never loaded here
+        assert BACKEND.pairs.name == "tiny-random"  # the real default pair is never loaded here
         demo.queue(default_concurrency_limit=4)
         port = free_port()
         demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
@@ -33,5 +34,7 @@ def app_url() -> str:
 
 
 def backend():
+    """The app's backend: the process-wide module global the handlers use (treeviz.runs.BACKEND)."""
+    from treeviz.runs import BACKEND
     app_url()
-    return _APP["demo"]._treeviz_backend
+    return BACKEND

@@ -13,7 +13,7 @@ import torch
 
 from engine.strategies import make_strategy
 from engine.tree import DraftTree
-from engine.verify import VERIFIERS, VerificationError, make_verifier, theory
+from engine.verify import VERIFIERS, VerificationError, compatible_verifiers, make_verifier, theory
 from engine.verify.specinfer import SpecInfer
 from exact import ROOT_TOKEN, FakeDrafter, ToyModel, emitted_law, max_error, outcomes
 
@@ -33,6 +33,21 @@ def delayed(model: ToyModel, **config):
         strategy.sample = lambda dist, count, replacement, generator: rng.sample(dist, count, replacement)
         tree = DraftTree(root_token=ROOT_TOKEN)
         strategy.build(FakeDrafter(model, tree), tree)
+        return tree
+    return build
+
+
+def linear(model: ToyModel, **config):
+    """The real linear strategy sampling (as at temperature > 0): each chain token drawn by the enumerator from q."""
+    strategy = make_strategy("linear", "paper", **config)
+
+    def build(rng):
+        strategy.reset()
+        strategy.sample = lambda dist, generator: rng.sample(dist, 1, True)[0]
+        tree = DraftTree(root_token=ROOT_TOKEN)
+        drafter = FakeDrafter(model, tree)
+        drafter.generator = "sampling"  # the decoder hands the drafter a generator exactly when it samples
+        strategy.build(drafter, tree)
         return tree
     return build
 
@@ -74,7 +89,9 @@ SHAPES = (
        ("without-replacement-depth2-K3", lambda m: delayed(m, k=3, l1=0, l2=2, without_replacement=True), 3, 3,
         None),
        ("chain-sampled-L3", lambda m: delayed(m, k=1, l1=0, l2=3), 3, 4, None),
-       ("chain-top1-L3", lambda m: separate(m, (1, 1, 1), "topk"), 3, 4, None)]
+       ("chain-top1-L3", lambda m: separate(m, (1, 1, 1), "topk"), 3, 4, None),
+       ("linear-sampled-L3", lambda m: linear(m, k=3), 3, 4, 1),
+       ("linear-stop-below-L3", lambda m: linear(m, k=3, stop_below=0.3), 3, 4, 1)]
 )
 
 
@@ -112,10 +129,27 @@ def test_rule_is_exactly_lossless(shape, seed, rule):
 def test_every_sampling_rule_is_covered_on_branching_and_chain_shapes():
     covered = {rule for _, _, rule in (c.values for c in cases())}
     assert covered == set(SAMPLING_RULES)
-    for shape in ("iid-merged-K4", "chain-sampled-L3"):
+    for shape in ("iid-merged-K4", "chain-sampled-L3", "linear-sampled-L3"):
         assert {c.values[2] for c in cases() if c.values[0] == shape} >= (
             {"specinfer", "traversal", "naive_tree", "nss"} | ({"naive", "block"} if "chain" in shape else
                                                                {"spectr", "khisti"}))
+
+
+def test_linear_samples_its_chain_from_q_when_sampling():
+    """At temperature > 0 the linear chain is speculative sampling's: each token a draw from q (every token with
+    q > 0 appears as some outcome's first token, with probability q), recorded as an i.i.d. draw."""
+    model = ToyModel(3, 0)
+    first = {}
+    for weight, tree in outcomes(linear(model, k=2)):
+        assert tree.child_mode[0] == "iid" and torch.equal(tree.child_dist[0], model.q(()))
+        first[tree.tokens[1]] = first.get(tree.tokens[1], 0.0) + weight
+    q = model.q(())
+    assert first == pytest.approx({t: float(q[t]) for t in range(3) if q[t] > 0}, abs=TOL)
+    greedy = make_strategy("linear", "paper", k=2)
+    tree = DraftTree(root_token=ROOT_TOKEN)
+    greedy.build(FakeDrafter(model, tree), tree)  # no generator: temperature 0, the top-1 chain
+    assert tree.child_mode[0] == "topk" and tree.tokens[1] == int(q.argmax())
+    assert {"naive", "block"} <= set(compatible_verifiers(greedy))
 
 
 @pytest.mark.parametrize("rule", ["specinfer", "spectr", "khisti", "naive_tree", "traversal"])

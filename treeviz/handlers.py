@@ -2,9 +2,11 @@
 
 One run path: a plain generator handler validates its inputs, waits (on CPU) for the model pair, then hands over to
 a generator decorated with `spaces.GPU` that iterates the engine's DecodeRun itself and yields component updates.
-That decorated generator takes only picklable arguments (a RunSpec, the session id, plain strings) and yields only
-picklable values (tuples of strings, dicts, plotly figures, RunResults): on a ZeroGPU Space it runs in another
-process. Stop is Gradio's own cancellation (`cancels=`) plus the session's cancel flag, checked between iterations.
+Run and Compare share that skeleton (`in_session` around, `reported` inside). The decorated generator takes only
+picklable arguments (a RunSpec, the session id, plain strings) and yields only picklable values (tuples of strings,
+dicts, plotly figures, RunResults): on a ZeroGPU Space it runs in another process. Stop is Gradio's own
+cancellation (`cancels=`) plus the session's cancel flag, checked between iterations. A running decode streams at
+the rate treeviz/throttle.py allows; its final view and trace hold every iteration.
 
 Run outputs, in order: views.RUN_OUTPUTS (run state, AR state, scrubber, run status, download, then the views);
 Compare outputs: the same followed by COMPARE_EXTRA. Handlers name what they change (`views.outputs`).
@@ -14,23 +16,26 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Iterator
+from typing import Callable, Iterator
 
 import gradio as gr
 
+from engine.session import AR, RunSpec
 from engine.strategies import STRATEGIES
-from treeviz import figures as F
-from treeviz.backend import (BACKEND, USER_FACING, Cancel, RunSpec, Status, Step, UserError,
-                             friendly_error)
+from treeviz.charts import calibration_figure
+from treeviz.charts_teaching import acceptance_histogram_figure
+from treeviz.errors import USER_FACING, UserError, friendly_error
 from treeviz.gpu import GPU_SECONDS_MAX, gpu, is_zero_gpu_error, zero_gpu_message
-from treeviz.panels import calibration_figure
+from treeviz.html import ar_source_text
+from treeviz.runs import BACKEND, Cancel, Status, Step
+from treeviz.throttle import UpdateThrottle
+from treeviz.tree_figure import grow_frame, small_multiples
 from treeviz.views import (MEASURING_BADGE, PENDING_BADGE, RUN_OUTPUTS, compare_row, compare_table,
                            last_index, outputs, render_views, run_summary, save_trace, status_html, streamed_views)
 
 log = logging.getLogger("treeviz")
-UPDATE_INTERVAL = 0.25  # seconds between streamed updates after the first (at most ~4/s: figures cost ms each)
 N_RUN_OUTPUTS = len(RUN_OUTPUTS)
-COMPARE_EXTRA = ("compare_table", "compare_plot", "compare_calibration")
+COMPARE_EXTRA = ("compare_table", "compare_plot", "compare_calibration", "compare_histogram")
 COMPARE_OUTPUTS = RUN_OUTPUTS + COMPARE_EXTRA
 
 
@@ -74,34 +79,61 @@ def wait_for_pair(name: str, cancel: Cancel, names: tuple[str, ...] = RUN_OUTPUT
             yield outputs({"status": status_html(f"waiting for the models: {msg}", progress=frac)}, names)
 
 
+# -- the skeleton Run and Compare share ----------------------------------------------------------------------------
+def in_session(request: gr.Request, spec: RunSpec, names: tuple[str, ...], opening: tuple,
+               work: Callable[[str], Iterator[tuple]]) -> Iterator[tuple]:
+    """One request's run in its browser session (a newer one cancels it): the opening update, the wait for the
+    pair (CPU side), then `work(session)` (the GPU side); its errors as one plain status line."""
+    session = request.session_hash or "default"
+    cancel = BACKEND.begin(session)
+    try:
+        yield opening
+        yield from wait_for_pair(spec.pair, cancel, names)
+        if not cancel.is_set():
+            yield from work(session)
+    except UserError as err:
+        yield status_update(str(err), error=True, names=names)
+    except gr.Error as err:
+        if not is_zero_gpu_error(err):
+            raise
+        yield status_update(zero_gpu_message(err), error=True, names=names)
+    finally:
+        BACKEND.end(session, cancel)
+
+
+def loaded_pair(spec: RunSpec, button: str):
+    pair = BACKEND.pairs.ready(spec.pair, timeout=0)
+    if pair is None:
+        raise UserError(f"the model pair is not loaded yet: press {button} again")
+    return pair
+
+
+def reported(updates: Iterator[tuple], names: tuple[str, ...], what: str) -> Iterator[tuple]:
+    """`updates`, with any error as one plain status line (the traceback goes to the log)."""
+    try:
+        yield from updates
+    except Exception as err:  # noqa: BLE001 - engine errors become one plain line, the traceback goes to the log
+        if not isinstance(err, USER_FACING):
+            log.warning("%s failed:\n%s", what, traceback.format_exc())
+        yield status_update(friendly_error(err), error=True, names=names)
+
+
 # -- Run ---------------------------------------------------------------------------------------------------------------
 def run(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_tokens: float, temperature: float,
         top_p: float, top_k: float, seed: float, verifier: str, params: dict, stage_mode: str,
         request: gr.Request) -> Iterator[tuple]:
-    """Decode the prompt with the strategy, streaming the tree after every iteration; AR runs beside it."""
+    """Decode the prompt with the strategy, streaming the tree as it grows; AR runs beside it."""
     spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, params)
-    session = request.session_hash or "default"
-    cancel = BACKEND.begin(session)
-    try:
-        # a fresh run: clear the previous run's views that would otherwise look current (the tree and the text
-        # stay until the first streamed iteration replaces them)
-        empty = render_views(None, None, None)
-        yield outputs({"run": None, "ar": None, "scrubber": gr.update(value=0, maximum=1),
+    # a fresh run: clear the previous run's views that would otherwise look current (the tree and the text stay
+    # until the first streamed iteration replaces them)
+    empty = render_views(None, None, None)
+    opening = outputs({"run": None, "ar": None, "scrubber": gr.update(value=0, maximum=1),
                        "status": status_html(f"starting {spec.strategy} on {spec.pair}…"), "download": None,
                        **{name: view for name, view in empty.items() if name not in ("tree", "text")},
                        "badge": PENDING_BADGE})
-        yield from wait_for_pair(spec.pair, cancel)
-        if not cancel.is_set():
-            yield from decode_views(spec, session, stage_mode)
-    except UserError as err:
-        yield status_update(str(err), error=True)
-    except gr.Error as err:
-        if not is_zero_gpu_error(err):
-            raise
-        yield status_update(zero_gpu_message(err), error=True)
-    finally:
-        BACKEND.end(session, cancel)
+    yield from in_session(request, spec, RUN_OUTPUTS, opening,
+                          lambda session: decode_views(spec, session, stage_mode))
 
 
 def _run_seconds(spec: RunSpec, session: str, stage_mode: str) -> int:
@@ -112,41 +144,54 @@ def _run_seconds(spec: RunSpec, session: str, stage_mode: str) -> int:
 @gpu(duration=_run_seconds)
 def decode_views(spec: RunSpec, session: str, stage_mode: str) -> Iterator[tuple]:
     """Iterate the decoding loop under the pair's lock; yield run outputs (picklable: see the module docstring)."""
+    yield from reported(_decode_updates(spec, session, stage_mode), RUN_OUTPUTS, "run")
+
+
+def _decode_updates(spec: RunSpec, session: str, stage_mode: str) -> Iterator[tuple]:
     cancel = BACKEND.cancel_of(session)
-    frame, framed, last_emit, shown = None, 0, 0.0, False
-    try:
-        pair = BACKEND.pairs.ready(spec.pair, timeout=0)
-        if pair is None:
-            raise UserError("the model pair is not loaded yet: press Run again")
-        for item in BACKEND.decode(pair, spec, cancel):
-            if isinstance(item, Status):
-                yield status_update(item.text)
-            elif isinstance(item, Step):
-                now = time.monotonic()
-                if now - last_emit >= UPDATE_INTERVAL and not cancel.is_set():
-                    last_emit = now  # a snapshot only when shown: it re-decodes the text and recomputes metrics
-                    snap = item.run.snapshot()
-                    for it in snap.iterations[framed:]:  # the live frame grows to fit every tree so far
-                        frame = F.grow_frame(frame, it)
-                    framed = len(snap.iterations)
-                    yield _streamed(spec, snap, frame)
-            elif item.result is not None and not shown:
-                shown = True
-                yield _finished(item.result, item.ar, stage_mode)
-            elif item.result is not None:
-                yield _baseline(item.result, item.ar, stage_mode)
-            elif not cancel.superseded:  # a newer run of this session owns the views: leave them alone
-                yield status_update("stopped")
-    except Exception as err:  # noqa: BLE001 - engine errors become one plain line, the traceback goes to the log
-        if not isinstance(err, USER_FACING):
-            log.warning("run failed:\n%s", traceback.format_exc())
-        yield status_update(friendly_error(err), error=True)
+    live, shown = LiveUpdates(spec), False
+    for item in BACKEND.decode(loaded_pair(spec, "Run"), spec, cancel):
+        if isinstance(item, Status):
+            yield status_update(item.text)
+        elif isinstance(item, Step):
+            if not cancel.is_set():
+                yield from live.after_iteration(item.run)
+        elif item.result is not None and not shown:
+            shown = True
+            yield _finished(item.result, item.ar, stage_mode)
+        elif item.result is not None:
+            yield _baseline(item.result, item.ar, stage_mode)
+        elif not cancel.superseded:  # a newer run of this session owns the views: leave them alone
+            yield status_update("stopped")
 
 
-def _streamed(spec: RunSpec, snap, frame: dict) -> tuple:
+class LiveUpdates:
+    """The streamed updates of one decode, sent when its throttle allows: each shows the run so far (the iterations
+    since the last update batched in), the newest tree on a frame grown to fit every tree so far."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec, self.throttle = spec, UpdateThrottle()
+        self.frame, self.framed = None, 0
+
+    def after_iteration(self, run) -> Iterator[tuple]:
+        """The update after one more iteration of `run` (a DecodeRun), or nothing if none is due yet."""
+        if not self.throttle.due():
+            return
+        started = self.throttle.clock()
+        snap = run.snapshot()  # only when shown: it re-decodes the text and recomputes metrics
+        for iteration in snap.iterations[self.framed:]:
+            self.frame = grow_frame(self.frame, iteration)
+        batched, self.framed = len(snap.iterations) - self.framed, len(snap.iterations)
+        yield _streamed(self.spec, snap, self.frame, batched)
+        self.throttle.sent(started)  # resumed: Gradio has serialised and sent the update meanwhile
+
+
+def _streamed(spec: RunSpec, snap, frame: dict, batched: int = 1) -> tuple:
+    """One live update: the run so far (`batched` iterations since the last update; the scrubber reaches them all)."""
     n = len(snap.iterations)
+    since = f" ({batched} iterations since the last update)" if batched > 1 else ""
     status = status_html(f"decoding with {spec.strategy}: iteration {n - 1}, {snap.metrics['new_tokens']} tokens, "
-                         f"{snap.metrics['total_s']:.1f}s")
+                         f"{snap.metrics['total_s']:.1f}s{since}")
     # the snapshot goes to the run state too: after a Stop the views scrub what was streamed
     return outputs({"run": snap, "ar": None, "scrubber": gr.update(maximum=max(1, n - 1), value=n - 1),
                     "status": status, **streamed_views(snap, frame)})
@@ -157,7 +202,7 @@ def _finished(result, ar, stage_mode: str) -> tuple:
     follows in `_baseline`."""
     n = last_index(result)
     views = render_views(result, ar, n, stage_mode)
-    status = run_summary(result) + ("" if ar is not None else " — measuring AR on the same prompt…")
+    status = run_status(result) + ("" if ar is not None else " — measuring AR on the same prompt…")
     return outputs({"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
                     "status": status_html(status), "download": save_trace(result), **views,
                     **({"badge": MEASURING_BADGE} if ar is None else {})})
@@ -168,8 +213,19 @@ def _baseline(result, ar, stage_mode: str) -> tuple:
     of /run is complete for an API caller). The scrubber is left where the user put it meanwhile: the page puts the
     views back at its position right after (ui._wire_runs)."""
     views = render_views(result, ar, last_index(result), stage_mode)
-    return outputs({"run": result, "ar": ar, "status": status_html(run_summary(result)),
+    return outputs({"run": result, "ar": ar, "status": status_html(run_status(result)),
                     "download": save_trace(result), **views})
+
+
+def run_status(result) -> str:
+    """The finished run's line, with its speedup and how it was measured: a streamed run against AR measured
+    for it or reused from the cache (the race is the fair side-by-side measurement)."""
+    comparison = result.comparison or {}
+    speedup = comparison.get("speedup_vs_ar")
+    if not speedup or result.strategy == AR:
+        return run_summary(result)
+    return (f"{run_summary(result)} — speedup {speedup:.2f}× vs AR: this run was streamed (drawn while it decoded) "
+            f"against {ar_source_text(comparison) or 'AR'}; the Race tab measures both unobserved, back to back")
 
 
 def stop(request: gr.Request) -> str:
@@ -188,24 +244,12 @@ def compare(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_
     the main views follow each method as it finishes."""
     spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, params)
-    methods = [m for m in (methods or []) if m in STRATEGIES and m != "ar"]
+    methods = [m for m in (methods or []) if m in STRATEGIES and m != AR]
     if not methods:
         raise gr.Error("Tick at least one strategy to compare with AR.")
-    session = request.session_hash or "default"
-    cancel = BACKEND.begin(session)
-    try:
-        yield status_update("comparing: measuring AR first…", names=COMPARE_OUTPUTS)
-        yield from wait_for_pair(spec.pair, cancel, COMPARE_OUTPUTS)
-        if not cancel.is_set():
-            yield from compare_views(spec, session, methods, stage_mode)
-    except UserError as err:
-        yield status_update(str(err), error=True, names=COMPARE_OUTPUTS)
-    except gr.Error as err:
-        if not is_zero_gpu_error(err):
-            raise
-        yield status_update(zero_gpu_message(err), error=True, names=COMPARE_OUTPUTS)
-    finally:
-        BACKEND.end(session, cancel)
+    opening = status_update("comparing: measuring AR first…", names=COMPARE_OUTPUTS)
+    yield from in_session(request, spec, COMPARE_OUTPUTS, opening,
+                          lambda session: compare_views(spec, session, methods, stage_mode))
 
 
 def _compare_seconds(spec: RunSpec, session: str, methods: list[str], stage_mode: str) -> int:
@@ -216,41 +260,39 @@ def _compare_seconds(spec: RunSpec, session: str, methods: list[str], stage_mode
 def compare_views(spec: RunSpec, session: str, methods: list[str], stage_mode: str) -> Iterator[tuple]:
     """Compare outputs after each method: the table, first trees and calibration so far, and the main views (metrics
     row included) showing the method just finished; picklable like decode_views."""
-    cancel = BACKEND.cancel_of(session)
-    rows, trees, runs = [], [], []
-    names = COMPARE_OUTPUTS
-    try:
-        pair = BACKEND.pairs.ready(spec.pair, timeout=0)
-        if pair is None:
-            raise UserError("the model pair is not loaded yet: press Compare again")
-        for item in BACKEND.compare(pair, spec, methods, cancel):
-            if isinstance(item, Status):
-                yield status_update(item.text, names=names)
-                continue
-            result, ar = item.result, item.ar
-            rows.append(compare_row(result, ar))
-            shown = {}
-            if result is not ar:
-                runs.append((result.strategy, result))
-                if result.iterations:
-                    trees.append((result.strategy, result.iterations[0]))
-                n = last_index(result)
-                shown = {"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
-                         "download": save_trace(result), **render_views(result, ar, n, stage_mode)}
-            yield outputs({**shown, "status": status_html(f"compare: {result.strategy} done"),
-                           **_compare_extra(rows, trees, runs)}, names)
-        if cancel.is_set():
-            if not cancel.superseded:
-                yield status_update("comparison stopped", names=names)
-        elif rows:  # the last value carries the comparison: an API caller reads only the last
-            yield outputs({"status": status_html(f"compared {len(rows)} methods on the same prompt"),
-                           **_compare_extra(rows, trees, runs)}, names)
-    except Exception as err:  # noqa: BLE001 - one plain line for the user, the traceback to the log
-        if not isinstance(err, USER_FACING):
-            log.warning("compare failed:\n%s", traceback.format_exc())
-        yield status_update(friendly_error(err), error=True, names=names)
+    yield from reported(_compare_updates(spec, session, methods, stage_mode), COMPARE_OUTPUTS, "compare")
+
+
+def _compare_updates(spec: RunSpec, session: str, methods: list[str], stage_mode: str) -> Iterator[tuple]:
+    cancel, names = BACKEND.cancel_of(session), COMPARE_OUTPUTS
+    rows, trees, runs, ar_note = [], [], [], ""
+    for item in BACKEND.compare(loaded_pair(spec, "Compare"), spec, methods, cancel):
+        if isinstance(item, Status):
+            yield status_update(item.text, names=names)
+            continue
+        result, ar = item.result, item.ar
+        rows.append(compare_row(result, ar))
+        shown = {}
+        if result is ar:
+            ar_note = ar_source_text(ar.comparison)
+        else:
+            runs.append((result.strategy, result))
+            if result.iterations:
+                trees.append((result.strategy, result.iterations[0]))
+            n = last_index(result)
+            shown = {"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
+                     "download": save_trace(result), **render_views(result, ar, n, stage_mode)}
+        yield outputs({**shown, "status": status_html(f"compare: {result.strategy} done"),
+                       **_compare_extra(rows, trees, runs)}, names)
+    if cancel.is_set():
+        if not cancel.superseded:
+            yield status_update("comparison stopped", names=names)
+    elif rows:  # the last value carries the comparison: an API caller reads only the last
+        summary = f"compared {len(rows)} methods on the same prompt" + (f" ({ar_note})" if ar_note else "")
+        yield outputs({"status": status_html(summary), **_compare_extra(rows, trees, runs)}, names)
 
 
 def _compare_extra(rows: list[dict], trees: list, runs: list) -> dict:
     return {"compare_table": compare_table(rows), "compare_calibration": calibration_figure(runs),
-            **({"compare_plot": F.small_multiples(trees)} if trees else {})}
+            "compare_histogram": acceptance_histogram_figure(runs),
+            **({"compare_plot": small_multiples(trees)} if trees else {})}

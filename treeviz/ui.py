@@ -1,33 +1,38 @@
 """The Gradio app: a live draft-tree explorer. `build_demo` lays out the page section by section and wires the
-events; the handlers that touch models live in treeviz/handlers.py, the views in treeviz/views.py.
+events; the handlers that touch models live in treeviz/handlers.py, the views in treeviz/views.py, the page's Markdown,
+CSS and JavaScript in treeviz/static/.
 
 API (gradio_client): /run takes prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k,
 seed, verifier, params (a dict of the strategy's parameters by name), stage_mode; /compare takes the same plus
-methods and stage_mode; /stop, /scrub, /inspect (a node of the shown iteration), /upload, /gallery.
+methods and stage_mode; /stop, /scrub, /inspect (a node of the shown iteration), /upload, /gallery. The teaching
+tabs (treeviz/teaching_ui.py): /race takes prompt, chat, pair, strategies, max_new_tokens, temperature, top_p, top_k,
+seed, verifier; /sweep takes prompt, chat, pair, strategy, preset, params, max_new_tokens, size_min, size_max, points
+and the same sampling settings (treeviz/teaching_handlers.py).
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
 
+from engine.prompts import PROMPT_SETS, load_prompt_set
 from engine.strategies import STRATEGIES
 from engine.verify import VERIFIERS
-from treeviz import figures as F
-from treeviz import handlers
-from treeviz.backend import BACKEND, pair_choices
+from treeviz import handlers, teaching_ui
+from treeviz.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
 from treeviz.controls import ParamControls, verifier_options
+from treeviz.html import badge_html, token_legend_html, tokens_html
 from treeviz.inspector import inspect, inspector_figure, inspector_html
-from treeviz.panels import calibration_figure, cost_figure
+from treeviz.pairs import pair_choices
 from treeviz.replay import gallery_label, gallery_traces, replay
+from treeviz.runs import BACKEND
+from treeviz.tree_figure import tree_figure
 from treeviz.views import VIEW_NAMES, render_views, status_html
 
 log = logging.getLogger("treeviz")
-ROOT = Path(__file__).resolve().parent.parent
-PROMPT_DIR = ROOT / "assets" / "prompts"
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 DEFAULT_STRATEGY = "dynatree"
 
 FALLBACK_PROMPTS = [
@@ -37,94 +42,19 @@ FALLBACK_PROMPTS = [
     {"name": "prose: story", "kind": "prose", "prompt": "Once upon a time, in a small village by the sea,"},
 ]
 
-HOW_TO_READ = """
-**The tree.** Each iteration the small *draft* model proposes a tree of candidate next tokens; the large *target*
-model checks every node in one forward pass. The **root** (◆, left) is the last committed token; depth grows to the
-right; siblings are ordered by draft probability, most likely on top.
 
-* **Fill colour** = the draft's probability *q* of that token given its parent, on a fixed 0–1 scale (colour bar).
-* **Shape / outline** = outcome, so it reads without colour:
-  ● thick black outline — **accepted** (the target agreed); ★ orange outline — **bonus** token (the target's own
-  next token after the accepted path; it becomes the next root); ✕ — **rejected** (a sibling the target did not
-  pick); ○ open, faded — **unreached** (below a rejected node, never checked); ✦ purple — bonus **resampled** from
-  the residual distribution (sampling only).
-* Thick black edges = the accepted path. Hover a node for its token (␣ space, ⏎ newline, ⇥ tab), *q*, cumulative
-  *q* of its path, the target's *p*, depth, rank and outcome.
-* **Click a node** (or type its id under the tree) to open the **node inspector**: the draft's *q* and the target's
-  *p* at its parent over their top 10 tokens side by side, the node's acceptance probability under the run's rule
-  and why it was accepted, rejected or never looked at.
-
-**Calibration** (tab): every node the verification tested, binned by its draft probability *q*, against the
-fraction accepted. DySpec's trees assume a token's chance of acceptance is about its *q* (the diagonal); a curve
-below it means the draft is over-confident.
-
-**Costs** (tab): what verifying *n* tree nodes in one target forward, and the draft's forwards, cost on this machine
-(measured points beside the engine's cost-table prediction), and per iteration the draft + verify time against the
-break-even: the time AR would take for the tokens the iteration committed. Below the line the iteration beat AR.
-
-**The numbers.** *L̄* = tokens committed per target pass (accepted + bonus; AR has L̄ = 1). *ℓ̄* = mean accepted
-draft length. *Acceptance* = accepted draft tokens / drafted nodes. *Per-depth acceptance* = share of iterations
-that accepted at least *d* tokens. *Speedup* = tokens/s ÷ plain autoregressive (AR) tokens/s, measured here on the
-same prompt, pair and dtype.
-
-**Text colours.** Blue: first token (prefill); green: accepted draft token; orange: bonus token. Hover a token for
-its iteration and the target's top-2 logit margin. The selected iteration's tokens are outlined in red.
-
-**Is the output exact?** With greedy decoding (temperature 0) speculative decoding must reproduce AR token for
-token. In float32 it does in every test and benchmark we ran: a verification pass over many tokens uses different
-kernels than a one-token step, but float32 rounding differences are far below the target's top-2 gaps. In bf16/fp16
-they are not, so a near-tie between the target's top two tokens can flip: the badge then shows the first
-position where the output departs from AR and how close the tie was. With sampling, outputs are equal in
-distribution, not token for token.
-
-**Pairs.** `tiny-random` runs instantly (tiny random models: trees and text are nonsense, speedups meaningless — it
-is for play and tests). `default` is Qwen2.5-Coder 1.5B + 0.5B, offline; the first load converts the weights
-(about two minutes), later loads take seconds. Hub pairs need network access.
-"""
-
-CSS = F.TEXT_CSS + """
-.tv-status {font-size: 13px; padding: 6px 10px; border-radius: 6px; background: #f4f6f7; color: #1b2631;}
-.tv-status.err {background: #fdedec; color: #78281f;}
-.tv-bar {height: 8px; background: #e5e8e8; border-radius: 4px; overflow: hidden; margin-top: 4px;}
-.tv-bar > div {height: 100%; background: #2e86c1; transition: width 0.4s;}
-#tv-tree {min-height: 380px;}
-#tv-tree .js-plotly-plot .scatterlayer .points path {cursor: pointer;}
-.tv-inspector {font-size: 13px; padding: 6px 10px; border: 1px solid #e5e7eb; border-radius: 6px;}
-footer {display: none !important;}
-"""
-
-
-# gr.Plot has no click event (Gradio 6: only `change`), so a click on a tree node is caught in the page: Plotly's
-# plotly_click on the tree's plot div (Gradio re-draws it with Plotly.react, which keeps listeners) writes the
-# node's id (customdata[0], set by figures.tree_traces) into the node picker and fires its input event, the same
-# event typing an id fires.
-NODE_CLICK_JS = """
-() => {
-  const hook = (plot) => {
-    if (plot.__treevizClick || typeof plot.on !== "function") return;
-    plot.__treevizClick = true;
-    plot.on("plotly_click", (event) => {
-      const point = event && event.points && event.points[0];
-      const id = point && point.customdata ? point.customdata[0] : null;
-      const box = document.querySelector("#tv-node input");
-      if (id === null || id === undefined || !box) return;
-      box.value = String(id);
-      box.dispatchEvent(new Event("input", {bubbles: true}));
-    });
-  };
-  const scan = () => document.querySelectorAll("#tv-tree .js-plotly-plot").forEach(hook);
-  new MutationObserver(scan).observe(document.body, {childList: true, subtree: true});
-  scan();
-}
-"""
+def static_text(name: str) -> str:
+    """A file of treeviz/static: the "How to read this" Markdown, the page's CSS, its JavaScript (node clicks)."""
+    return (STATIC_DIR / name).read_text(encoding="utf-8")
 
 
 # -- data helpers ------------------------------------------------------------------------------------------------------
 def load_examples() -> list[dict]:
+    """The shipped prompt sets (engine.prompts), entries without a prompt left out; a few built-in ones if none load."""
     entries = []
-    for kind in ("code", "chat", "prose"):
+    for kind in PROMPT_SETS:
         try:
-            data = json.loads((PROMPT_DIR / f"{kind}.json").read_text())
+            data = load_prompt_set(kind)
         except (OSError, ValueError):
             continue
         for e in data if isinstance(data, list) else []:
@@ -205,18 +135,19 @@ def _views(ui: SimpleNamespace) -> None:
     with gr.Row(equal_height=True):
         ui.model_status = gr.HTML(status_html("starting…"), elem_id="tv-model-status")
         ui.run_status = gr.HTML(status_html("Pick a gallery trace or press Run."), elem_id="tv-run-status")
-    ui.badge = gr.HTML(F.badge_html(None), elem_id="tv-badge")
-    ui.tree = gr.Plot(F.tree_figure(None), label="Draft tree", show_label=False, elem_id="tv-tree")
+    ui.badge = gr.HTML(badge_html(None), elem_id="tv-badge")
+    ui.tree = gr.Plot(tree_figure(None), label="Draft tree", show_label=False, elem_id="tv-tree")
     ui.scrubber = gr.Slider(0, 1, value=0, step=1, label="iteration (drag to replay the run; no models needed)",
                             elem_id="tv-scrubber")
+    teaching_ui.entropy_box(ui)
     with gr.Row(equal_height=False):
-        # a click on a tree node writes its id here (NODE_CLICK_JS); typing an id works too
+        # a click on a tree node writes its id here (static/script.js); typing an id works too
         ui.node = gr.Number(None, precision=0, minimum=0, label="inspect node (click one in the tree)",
                             elem_id="tv-node", scale=0, min_width=170)
         ui.inspector = gr.HTML(inspector_html(None, None, None), elem_id="tv-inspector")
     ui.inspector_plot = gr.Plot(inspector_figure(None, None), show_label=False, elem_id="tv-inspector-plot")
-    gr.HTML(F.token_legend_html())
-    ui.text = gr.HTML(F.tokens_html(None), elem_id="tv-text")
+    gr.HTML(token_legend_html())
+    ui.text = gr.HTML(tokens_html(None), elem_id="tv-text")
     ui.metrics = gr.HTML("", elem_id="tv-metrics")
 
 
@@ -225,9 +156,10 @@ def _tabs(ui: SimpleNamespace) -> None:
         with gr.Tab("Charts"):
             ui.stage_mode = gr.Radio(["per iteration", "total"], value="per iteration", label="stage times",
                                      elem_id="tv-stage-mode")
-            ui.charts = gr.Plot(F.charts_figure(None), label="Run charts", show_label=False, elem_id="tv-charts")
-            ui.throughput = gr.Plot(F.throughput_figure(None, None), label="Throughput vs AR", show_label=False,
+            ui.charts = gr.Plot(charts_figure(None), label="Run charts", show_label=False, elem_id="tv-charts")
+            ui.throughput = gr.Plot(throughput_figure(None, None), label="Throughput vs AR", show_label=False,
                                     elem_id="tv-throughput")
+            teaching_ui.run_histogram(ui)
         with gr.Tab("Calibration"):
             ui.calibration = gr.Plot(calibration_figure([]), show_label=False, elem_id="tv-calibration")
         with gr.Tab("Costs"):
@@ -243,25 +175,31 @@ def _tabs(ui: SimpleNamespace) -> None:
             ui.compare_plot = gr.Plot(label="First tree of each strategy", show_label=False, elem_id="tv-compare-plot")
             ui.compare_calibration = gr.Plot(calibration_figure([]), show_label=False,
                                              elem_id="tv-compare-calibration")
+            teaching_ui.compare_histogram(ui)
+        teaching_ui.race_tab(ui)
+        teaching_ui.step_tab(ui)
+        teaching_ui.sweep_tab(ui)
         with gr.Tab("Traces"):
             with gr.Row():
                 ui.download = gr.File(label="Download this run (JSON trace)", interactive=False, elem_id="tv-download")
                 ui.upload = gr.File(label="Replay a trace (.json): no models needed", file_types=[".json"],
                                     type="filepath", elem_id="tv-upload")
+            teaching_ui.html_download(ui)
         with gr.Tab("How to read this"):
-            gr.Markdown(HOW_TO_READ)
+            gr.Markdown(static_text("how_to_read.md"))
 
 
 # -- wiring ------------------------------------------------------------------------------------------------------------
-def _wire_runs(ui: SimpleNamespace) -> None:
-    """Run (button, Enter, releasing a slider), Stop, Compare. Each run trigger first collects the strategy's
-    parameters by name into ui.params, then calls the run handler with them (so /run takes them by name too)."""
+def _wire_runs(ui: SimpleNamespace) -> list:
+    """Run (button, Enter, releasing a slider), Compare; returns the events Stop cancels. Each run trigger first
+    collects the strategy's parameters by name into ui.params (ui.collect), then calls the run handler with them (so
+    /run takes them by name too)."""
     settings = [ui.prompt, ui.chat, ui.pair, ui.strategy, ui.preset, ui.max_new, ui.temperature, ui.top_p, ui.top_k,
                 ui.seed, ui.verifier, ui.params]
     ui.view_outputs = [getattr(ui, name) for name in VIEW_NAMES]
     ui.run_outputs = [ui.run_state, ui.ar_state, ui.scrubber, ui.run_status, ui.download] + ui.view_outputs
-    collect = dict(fn=ui.controls.collect, inputs=[ui.strategy, *ui.controls.components], outputs=ui.params,
-                   queue=False, show_progress="hidden", api_visibility="private")
+    ui.collect = collect = dict(fn=ui.controls.collect, inputs=[ui.strategy, *ui.controls.components],
+                                outputs=ui.params, queue=False, show_progress="hidden", api_visibility="private")
     live = ui.controls.components + [ui.max_new, ui.temperature, ui.top_p, ui.top_k]
     triggers = [(ui.run_btn.click, "run"), (ui.prompt.submit, None)] + [
         (c.release if isinstance(c, gr.Slider) else c.input if isinstance(c, gr.Checkbox) else c.submit, None)
@@ -275,31 +213,39 @@ def _wire_runs(ui: SimpleNamespace) -> None:
         runs.append(run)
         # the run's last value shows its last iteration; a user who scrubbed while AR was measured gets that
         # iteration back
-        run.then(show_iteration, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
-                 show_progress="hidden", queue=False, api_visibility="private")
+        teaching_ui.follow(ui, run.then(
+            show_iteration, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
+            show_progress="hidden", queue=False, api_visibility="private"))
     compare = ui.compare_btn.click(**collect).then(
         handlers.compare, settings + [ui.compare_methods, ui.stage_mode],
-        ui.run_outputs + [ui.compare_table, ui.compare_plot, ui.compare_calibration],
+        ui.run_outputs + [ui.compare_table, ui.compare_plot, ui.compare_calibration, ui.compare_histogram],
         concurrency_limit=None, api_name="compare")
+    teaching_ui.follow(ui, compare)
+    return runs + [compare]
+
+
+def _wire_stop(ui: SimpleNamespace, events: list) -> None:
     ui.stop_btn.click(handlers.stop, None, ui.run_status, api_name="stop", concurrency_limit=None, queue=False,
-                      cancels=runs + [compare])
+                      cancels=events)
 
 
 def _wire_views(ui: SimpleNamespace) -> None:
     """Scrubbing, stage mode, the node inspector, trace replays: no models involved."""
 
     def on_stage(run, index, stage_mode):
-        return F.charts_figure(run, selected=int(index) if run is not None and run.iterations else None,
-                               stage_mode=stage_mode)
+        return charts_figure(run, selected=int(index) if run is not None and run.iterations else None,
+                             stage_mode=stage_mode)
 
-    ui.scrubber.input(show_iteration, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
-                      show_progress="hidden", api_name="scrub", concurrency_limit=None)
+    teaching_ui.follow(ui, ui.scrubber.input(
+        show_iteration, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
+        show_progress="hidden", api_name="scrub", concurrency_limit=None))
     ui.stage_mode.change(on_stage, [ui.run_state, ui.scrubber, ui.stage_mode], ui.charts, show_progress="hidden")
     ui.node.input(inspect, [ui.run_state, ui.scrubber, ui.node], [ui.node, ui.inspector, ui.inspector_plot],
                   show_progress="hidden", api_name="inspect", concurrency_limit=None)
-    ui.upload.upload(lambda path, stage_mode: replay(path, stage_mode, "uploaded trace"), [ui.upload, ui.stage_mode],
-                     ui.run_outputs, api_name="upload")
-    ui.gallery.input(on_gallery, [ui.gallery, ui.stage_mode], ui.run_outputs, api_name="gallery")
+    teaching_ui.follow(ui, ui.upload.upload(lambda path, stage_mode: replay(path, stage_mode, "uploaded trace"),
+                                            [ui.upload, ui.stage_mode], ui.run_outputs, api_name="upload"))
+    teaching_ui.follow(ui, ui.gallery.input(on_gallery, [ui.gallery, ui.stage_mode], ui.run_outputs,
+                                            api_name="gallery"))
 
 
 def show_iteration(run, ar, index, stage_mode, node):
@@ -353,6 +299,7 @@ def build_demo(initial_pair: str = "default", load_on_start: bool = True) -> gr.
         ui.demo = demo
         ui.run_state = gr.State(None)  # RunResult shown now (a partial snapshot while streaming)
         ui.ar_state = gr.State(None)   # AR RunResult for the same prompt
+        ui.race_runs = gr.State(None)  # the last race's [(label, RunResult)], AR first
         gr.Markdown("## treeviz — watch a draft model's token tree get verified by the target, live")
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=330):
@@ -362,16 +309,16 @@ def build_demo(initial_pair: str = "default", load_on_start: bool = True) -> gr.
             with gr.Column(scale=3):
                 _views(ui)
                 _tabs(ui)
-        _wire_runs(ui)
+        _wire_stop(ui, _wire_runs(ui) + teaching_ui.wire(ui))
         _wire_views(ui)
         _wire_controls(ui, examples)
         demo.load(model_status_html, None, ui.model_status, queue=False, api_visibility="private")
         if ui.gallery.value:
-            demo.load(on_gallery, [ui.gallery, ui.stage_mode], ui.run_outputs)
-    demo._treeviz_backend = BACKEND  # for tests
+            teaching_ui.follow(ui, demo.load(on_gallery, [ui.gallery, ui.stage_mode], ui.run_outputs))
     return demo
 
 
 def launch_kwargs() -> dict:
     # Gradio refuses uploads over this at the transport; replay.MAX_TRACE_MB gives the plain message below it
-    return {"css": CSS, "js": NODE_CLICK_JS, "theme": gr.themes.Soft(), "max_file_size": "64mb"}
+    return {"css": static_text("style.css"), "js": static_text("script.js"), "theme": gr.themes.Soft(),
+            "max_file_size": "64mb"}

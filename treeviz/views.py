@@ -14,9 +14,10 @@ from typing import Any
 import gradio as gr
 
 from engine.trace import RunResult
-from treeviz import figures as F
+from treeviz.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
+from treeviz.html import badge_html, metrics_html, metrics_rows, tokens_html
 from treeviz.inspector import inspect
-from treeviz.panels import calibration_figure, cost_figure
+from treeviz.tree_figure import run_frame, tree_figure
 
 # the view components, in this order, after the run state, AR state, scrubber, status and download in every handler's
 # outputs (RUN_OUTPUTS); handlers name the values they change and `outputs` fills the rest with "unchanged"
@@ -50,28 +51,28 @@ def render_views(run: RunResult | None, ar_run: RunResult | None, index: int | N
                  stage_mode: str = "per iteration", node: Any = None) -> dict[str, Any]:
     """Every view of iteration `index` of `run` (node `node` in the inspector), by component name."""
     if run is None:
-        return {"tree": F.tree_figure(None), "text": F.tokens_html(None), "metrics": "",
-                "charts": F.charts_figure(None), "throughput": F.throughput_figure(None, None),
-                "badge": F.badge_html(None), **inspector_views(None, None, None),
+        return {"tree": tree_figure(None), "text": tokens_html(None), "metrics": "",
+                "charts": charts_figure(None), "throughput": throughput_figure(None, None),
+                "badge": badge_html(None), **inspector_views(None, None, None),
                 "calibration": calibration_figure([]), "costs": cost_figure(None)}
     its = run.iterations
     if its:
         index = len(its) - 1 if index is None else max(0, min(int(index), len(its) - 1))
-        tree = F.tree_figure(its[index], frame=F.run_frame(its))
+        tree = tree_figure(its[index], frame=run_frame(its))
     else:
-        index, tree = None, F.tree_figure(None)
+        index, tree = None, tree_figure(None)
     comparison = run.comparison
     div = comparison.get("first_divergence") if comparison and not comparison.get("exact_match") else None
-    return {"tree": tree, "text": F.tokens_html(run, selected=index, divergence=div),
-            "charts": F.charts_figure(run, selected=index, stage_mode=stage_mode),
+    return {"tree": tree, "text": tokens_html(run, selected=index, divergence=div),
+            "charts": charts_figure(run, selected=index, stage_mode=stage_mode),
             **baseline_views(run, ar_run), **inspector_views(run, index, node),
             "calibration": calibration_figure([(run.strategy, run)])}
 
 
 def baseline_views(run: RunResult, ar_run: RunResult | None) -> dict[str, Any]:
     """The views that change when AR's measurement arrives: metrics row, throughput bars, badge, costs."""
-    return {"metrics": F.metrics_html(run, ar_run), "throughput": F.throughput_figure(run, ar_run),
-            "badge": F.badge_html(run.comparison, sampled=bool(run.config.get("sampling", {}).get("temperature"))),
+    return {"metrics": metrics_html(run, ar_run), "throughput": throughput_figure(run, ar_run),
+            "badge": badge_html(run.comparison, sampled=bool(run.config.get("sampling", {}).get("temperature"))),
             "costs": cost_figure(run, ar_run)}
 
 
@@ -83,8 +84,8 @@ def inspector_views(run: RunResult | None, index: int | None, node: Any) -> dict
 def streamed_views(run: RunResult, frame: dict) -> dict[str, Any]:
     """The cheap part of the views for a live update: the newest tree, the text so far, the metrics row."""
     it = run.iterations[-1]
-    return {"tree": F.tree_figure(it, frame=frame), "text": F.tokens_html(run, selected=it.index),
-            "metrics": F.metrics_html(run, None)}
+    return {"tree": tree_figure(it, frame=frame), "text": tokens_html(run, selected=it.index),
+            "metrics": metrics_html(run, None)}
 
 
 def run_summary(run: RunResult) -> str:
@@ -111,7 +112,7 @@ def compare_table(rows: list[dict]) -> dict:
 
 
 def compare_row(result: RunResult, ar: RunResult) -> dict:
-    row = F.metrics_rows(result, ar)
+    row = metrics_rows(result, ar)
     comparison = result.comparison or {}
     row["matches AR"] = "yes" if comparison.get("exact_match") else f"from token {comparison.get('first_divergence')}"
     return row

@@ -1,4 +1,4 @@
-"""Where models run and in what precision, and where converted models are cached.
+"""Where models run and in what precision.
 
 `resolve_device` and `resolve_dtype` turn the user's words ("auto", "cuda:1", "bf16") into torch objects or a
 ModelLoadError that says what to use instead; "auto" picks bf16 only where it is fast (CUDA, or a CPU with native
@@ -6,18 +6,11 @@ bf16 dot products), else fp32, which keeps greedy decoding exact.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from engine.models.pair import ModelLoadError
-
-
-def cache_dir() -> Path:
-    """$TREEVIZ_CACHE or ~/.cache/treeviz: converted models are gigabytes and must never land in the repo."""
-    root = os.environ.get("TREEVIZ_CACHE") or Path.home() / ".cache" / "treeviz"
-    return Path(root).expanduser()
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:

@@ -34,6 +34,7 @@ from engine.models.packaged import (LOAD_WORK, PACKAGED, preparation_work, prepa
 from engine.models.pair import ModelLoadError, ModelPair, check_rollbackable, check_same_vocab, short_error
 from engine.models.progress import Progress, say, span
 from engine.models.tiny import is_tiny_spec, load_tiny
+from engine.models.widths import match_draft_width
 from engine.vocab import VocabError, draft_vocab_ids, parse_draft_vocab, trim_head
 
 
@@ -222,6 +223,9 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name)
     try:
         prepare_kernels(pair, packed, draft_vocab, draft_quant, progress)
+        if d_model is not None:  # a draft whose table differs by padding rows: the target's width (after trimming)
+            fallback = next((i for i in (t_tok.pad_token_id, t_tok.eos_token_id) if i is not None), 0)
+            match_draft_width(d_model, t_model.config.get_text_config().vocab_size, fallback)
         if calibrate:
             pair.costs = calibrate_pair(pair, recalibrate, progress=lambda f, m: say(progress, 1.0, m))
     except (PackingError, VocabError) as err:

@@ -141,13 +141,24 @@ def check_rollbackable(config, name: str) -> None:
 
 def check_same_vocab(target: PreTrainedModel, target_tok: PreTrainedTokenizerBase, target_name: str,
                      draft: PreTrainedModel, draft_tok: PreTrainedTokenizerBase, draft_name: str) -> None:
-    """Refuse pairs whose token ids mean different things: the target verifies the draft's ids as its own."""
+    """Refuse pairs whose token ids mean different things: the target verifies the draft's ids as its own.
+
+    Embedding tables of different sizes are allowed when they differ only by padding rows no token reaches
+    (Qwen2.5-7B has 152,064 rows, 0.5B 151,936, one tokenizer of 151,665 ids): the tokenizers must be identical and
+    every id they produce below both sizes. The draft's logits are then brought to the target's width
+    (engine/models/widths.py)."""
     vt, vd = target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
     if vt != vd:
+        same = target_tok is draft_tok or target_tok.get_vocab() == draft_tok.get_vocab()
+        if same and len(target_tok) <= min(vt, vd):
+            return
         raise ModelLoadError(
             f"The draft's vocabulary does not match the target's: {target_name} has vocab_size {vt}, {draft_name} has "
-            f"{vd}. Speculative decoding needs a draft whose token ids mean the same thing as the target's; pick a "
-            "draft from the same model family (same tokenizer), e.g. Qwen2.5-0.5B for Qwen2.5-1.5B.")
+            f"{vd}, and " + ("their tokenizers differ" if not same else
+                             f"the tokenizer's {len(target_tok)} ids do not fit both") +
+            ". Speculative decoding needs a draft whose token ids mean the same thing as the target's (tables may "
+            "differ only by padding rows past the tokenizer); pick a draft from the same model family (same "
+            "tokenizer), e.g. Qwen2.5-0.5B for Qwen2.5-1.5B.")
     if target_tok is draft_tok:
         return
     a, b = target_tok.get_vocab(), draft_tok.get_vocab()

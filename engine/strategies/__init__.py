@@ -8,10 +8,12 @@ from engine.strategies.dyspec import DySpec
 from engine.strategies.eagle2 import Eagle2
 from engine.strategies.fixed import FixedTree
 from engine.strategies.linear import Linear
+from engine.strategies.lookup import Lookup
 from engine.strategies.salf import SALF
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Autoregressive, Linear, FixedTree, DynaTree, DySpec, SALF, Eagle2, DDTree, Delayed)
+    cls.name: cls for cls in (Autoregressive, Linear, FixedTree, DynaTree, DySpec, SALF, Eagle2, DDTree, Delayed,
+                              Lookup)
 }
 
 

@@ -7,6 +7,7 @@ class Autoregressive(Strategy):
     label = "Autoregressive (target only)"
     summary = "No draft model: each iteration is one target forward that emits one token."
     uses_draft = False
+    chain = True
     presets = {"cpu": {}, "paper": {}}
 
     def build(self, drafter, tree) -> None:

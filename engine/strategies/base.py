@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.drafter import Drafter
+from engine.strategies.sizing import Sample, SizeCost, by_levels
 from engine.tree import DraftTree
 
 
@@ -66,9 +67,17 @@ class Strategy:
     # strategy has no single size knob and "auto" runs its starting values unchanged.
     auto_param: ClassVar[str | None] = None
     uses_draft: ClassVar[bool] = True
+    # Whether `build` reads the committed tokens (context lookup): the decoder then calls `see_context` before it.
+    uses_context: ClassVar[bool] = False
     child_mode: ClassVar[str] = "topk"  # "topk" (deterministic), "iid", or "without_replacement"
-    # Every mode its trees may contain (a strategy may mix them, e.g. a greedy trunk under i.i.d. branches).
-    child_modes_used: tuple[str, ...] = ()
+    # Every mode its trees may contain: (child_mode,), set per instance before check(), where a strategy that mixes
+    # modes (e.g. a greedy trunk under i.i.d. branches) says otherwise.
+    child_modes_used: tuple[str, ...]
+    # Everything the decoder and the verification rules read is declared here (an instance may override it from
+    # its config): whether it wants the target's hidden states at the root (the neural selector), and whether its
+    # trees are always one path (so the chain rules, Naive and Block, can check them).
+    wants_features: bool = False
+    chain: bool = False
 
     def __init__(self, preset: str = "cpu", **overrides: Any):
         known = {p.name: p for p in self.params}
@@ -82,6 +91,7 @@ class Strategy:
                 raise StrategyError(f"{self.name} has no parameter {key!r}; it takes {sorted(known)}")
             values[key] = value
         self.config = {key: known[key].coerce(value) for key, value in values.items()}
+        self.child_modes_used = (self.child_mode,)
         self.check()
         self.reset()
 
@@ -110,6 +120,42 @@ class Strategy:
     def build(self, drafter: Drafter, tree: DraftTree) -> None:
         raise NotImplementedError
 
+    def size(self) -> int | None:
+        """The value of the size knob (`auto_param`) in force, or None for a strategy without one."""
+        return None if self.auto_param is None else self.config[self.auto_param]
+
+    def resize(self, value: int) -> None:
+        """Set the size knob (the `auto` sizer's only way in): coerced and validated like a user's value, so a size
+        the strategy would refuse at construction raises StrategyError here too and leaves the config unchanged."""
+        if self.auto_param is None:
+            raise StrategyError(f"{self.name} has no size knob")
+        param = next(p for p in self.params if p.name == self.auto_param)
+        before = self.config[self.auto_param]
+        self.config[self.auto_param] = param.coerce(value)
+        try:
+            self.check()
+        except StrategyError:
+            self.config[self.auto_param] = before
+            raise
+
+    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None) -> None:
+        """Called before each `build` when `uses_context`: every committed token so far (prompt + generated, ending
+        with the next tree's root), and the width and device of the target's logits rows (a draft distribution the
+        strategy records must match them: the sampling rules compare it with p)."""
+
+    def sizes(self) -> range:
+        """The values of the size knob `resize` accepts, as the `auto` sizer may try them (none without a knob)."""
+        if self.auto_param is None:
+            return range(0)
+        param = next(p for p in self.params if p.name == self.auto_param)
+        return range(int(max(param.minimum or 1, 1)), int(param.maximum or 1024) + 1)
+
+    def cost_at(self, sample: Sample, size: int) -> SizeCost:
+        """What this strategy would have drafted, kept and accepted with its size knob at `size`, judged from an
+        observed tree (engine/strategies/sizing.py). Default: a level-by-level builder under a node budget keeps
+        its first `size` nodes and pays one draft forward per level; strategies built otherwise override it."""
+        return by_levels(sample, size)
+
     def observe(self, accepted: int, drafted: int) -> None:
         """Feedback after verification: accepted draft tokens out of drafted nodes."""
 
@@ -118,7 +164,8 @@ class Strategy:
     def add_top_children(tree: DraftTree, node: int, dist: torch.Tensor, k: int, min_path_q: float = 0.0,
                          budget: int | None = None) -> list[int]:
         """Add the k most probable children of `node` under `dist`, skipping those whose path probability would fall
-        below `min_path_q`, and never exceeding `budget` drafted nodes in the tree. Returns the new node ids."""
+        below `min_path_q`, and never exceeding `budget` drafted nodes in the tree. Returns the new node ids. A token
+        with q = 0 (cut by the run's top-k / top-p) is never added: the draft could not have proposed it."""
         tree.child_dist[node] = dist
         tree.child_mode[node] = "topk"
         if k <= 0:
@@ -128,7 +175,7 @@ class Strategy:
         for rank, (p, token) in enumerate(zip(probs.tolist(), tokens.tolist())):
             if budget is not None and tree.num_drafted >= budget:
                 break
-            if tree.path_q[node] * p < min_path_q:
-                break  # sorted by probability: every later sibling is below the threshold too
+            if p <= 0.0 or tree.path_q[node] * p < min_path_q:
+                break  # sorted by probability: every later sibling is zero or below the threshold too
             added.append(tree.add(node, token, p, rank))
         return added

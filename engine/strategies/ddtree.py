@@ -17,6 +17,7 @@ import math
 import torch
 
 from engine.strategies.base import Param, Strategy
+from engine.strategies.sizing import SizeCost, accepted_within, first_nodes
 
 
 def best_first_prefixes(probs: list[list[float]], budget: int) -> list[tuple[int, ...]]:
@@ -53,6 +54,16 @@ class DDTree(Strategy):
         "cpu": {"budget": 8, "block": 3},
         "paper": {"budget": 256, "block": 16},  # budgets 16..1024 swept; speedup peaks around 256-512 (Fig. 3)
     }
+
+    def cost_at(self, sample, size: int) -> SizeCost:
+        """Nodes are numbered in pop order, so budget `size` keeps the first `size`. The draft walks its top-1 chain
+        one single-row forward per position, as deep as the kept prefixes reach plus the one forward that shows
+        nothing deeper wins (build's early stop), at most L."""
+        kept = first_nodes(sample, size)
+        deepest = max((sample.depths[v] for v in kept), default=0)
+        forwards = max(min(self.config["block"], deepest + 1, len(sample.draft_rows)), 1)
+        rows = [sample.first_rows] + [1] * (forwards - 1)
+        return SizeCost(len(kept), accepted_within(sample, kept), rows, len(kept) + 1)
 
     def build(self, drafter, tree) -> None:
         budget, block = self.config["budget"], self.config["block"]

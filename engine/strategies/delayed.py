@@ -90,7 +90,7 @@ class Delayed(Strategy):
         t = self.config["temperature"]
         if t != 1.0:
             dist = torch.softmax(dist.log() / t, dim=-1)  # in log space: q^(1/T) underflows for small T
-        generator = getattr(drafter, "generator", None)
+        generator = drafter.generator
         if generator is None:
             if self.generator is None or self.generator.device != dist.device:
                 self.generator = torch.Generator(device=dist.device).manual_seed(self.config["seed"])

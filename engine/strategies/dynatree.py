@@ -6,16 +6,23 @@ Four mechanisms, each switchable to rerun the paper's ablation (Table 4):
 - dynamic depth: u is expandable iff d(u) < D_max and p(u) >= rho_stop and (d(u) < D0 or p(u) > rho_deep),
   p(u) being the cumulative draft probability of the root-to-u path (off: iff d(u) < D0);
 - pruning: children whose p falls below tau are not added; the node budget N_max is always strict (off: tau = 0);
-- history: after each iteration, the window mean of acceptance (accepted / drafted) against a* (0.7) with a
-  +-0.1 dead band moves D0, tau_h and rho_deep one step toward more (above) or less (below) aggressive drafting.
+- history: after each iteration, proportional control of (D0, tau_h, tau_l) toward a target acceptance a*
+  (the paper's update, on its subset of parameters): e = mean(a over the last W iterations) - a*, then
+  D0 <- clip(D0 + eta_D e, 1, D_max - 1) (used rounded), tau_h <- clip(tau_h - eta_h e, 0, 1),
+  tau_l <- clip(tau_l - eta_h e, 0, tau_h). Above a* the tree gets deeper and narrower (more nodes count as
+  confident); below, shallower and wider. It moves both ways, and back.
+The acceptance a of an iteration is per path: accepted draft tokens / depth of the drafted tree, in [0, 1]. 1 when
+the deepest path the tree offered was accepted whole, 0 when nothing was. The paper's Table 3 measure counts the
+bonus token too, which lets it pass 100 %; we leave the bonus out, so a draft that is never right reads 0 at any
+depth instead of 1 / D (which would reach a* = 0.7 on a one-level tree). Accepted / drafted is not usable: a tree
+with b children per node accepts at most one in b of its nodes, so that ratio sits below any useful a* and the
+controller could only ever shrink the tree.
 The tree grows level by level with one batched draft forward per level; within a level the most probable
 parents are served first so the budget goes where the draft is confident.
 """
 from collections import deque
 
 from engine.strategies.base import Param, Strategy, StrategyError
-
-DEAD_BAND = 0.1
 
 
 class DynaTree(Strategy):
@@ -36,7 +43,10 @@ class DynaTree(Strategy):
         Param("budget", 256, 1, 1024, 1, "N_max (node budget)", "maximum drafted nodes per iteration"),
         Param("window", 10, 1, 1000, 1, "W (history window)", "iterations averaged by history adaptation"),
         Param("a_star", 0.7, 0.0, 1.0, 0.01, "a* (target acceptance)",
-              "history adaptation steers the window's acceptance (accepted / drafted) toward a*"),
+              "history adaptation steers the window's acceptance (accepted tokens / tree depth) toward a*"),
+        Param("eta_d", 2.0, 0.0, 64.0, 0.1, "eta_D (depth step)", "D0 moves by eta_D x (acceptance - a*)"),
+        Param("eta_h", 0.1, 0.0, 1.0, 0.01, "eta_h (threshold step)",
+              "tau_h and tau_l move by -eta_h x (acceptance - a*)"),
         Param("dynamic_breadth", True, label="dynamic breadth"),
         Param("dynamic_depth", True, label="dynamic depth"),
         Param("pruning", True, label="probability pruning"),
@@ -61,8 +71,10 @@ class DynaTree(Strategy):
 
     def reset(self) -> None:
         c = self.config
-        self.state = {"d0": c["d0"], "tau_h": c["tau_h"], "rho_deep": c["rho_deep"]}
+        self.state = {"d0": c["d0"], "tau_h": c["tau_h"], "tau_l": c["tau_l"]}
+        self.level = float(c["d0"])  # D0 before rounding: small steps add up instead of rounding away
         self.recent = deque(maxlen=c["window"])
+        self.depth = 0  # depth of the tree last built (the acceptance's denominator)
 
     def current_params(self) -> dict:
         return {**self.config, **self.state}
@@ -72,7 +84,7 @@ class DynaTree(Strategy):
         d, p = tree.depths[node], tree.path_q[node]
         if not c["dynamic_depth"]:
             return d < s["d0"]
-        return d < c["d_max"] and p >= c["rho_stop"] and (d < s["d0"] or p > s["rho_deep"])
+        return d < c["d_max"] and p >= c["rho_stop"] and (d < s["d0"] or p > c["rho_deep"])
 
     def breadth(self, confidence: float) -> int:
         c, s = self.config, self.state
@@ -80,7 +92,7 @@ class DynaTree(Strategy):
             return c["b_mid"]
         if confidence >= s["tau_h"]:
             return c["b_min"]
-        if confidence < c["tau_l"]:
+        if confidence < s["tau_l"]:
             return c["b_max"]
         return c["b_mid"]
 
@@ -97,21 +109,15 @@ class DynaTree(Strategy):
                 k = self.breadth(tree.confidence[node])
                 children += self.add_top_children(tree, node, dist, k, tau, c["budget"])
             frontier = [n for n in children if self.expandable(tree, n)]
+        self.depth = max(tree.depths)
 
     def observe(self, accepted: int, drafted: int) -> None:
-        if not self.config["history"] or drafted == 0:
+        if not self.config["history"] or self.depth == 0:
             return
-        self.recent.append(accepted / drafted)
-        mean = sum(self.recent) / len(self.recent)
-        s, d_max = self.state, self.config["d_max"]
-        a_star = self.config["a_star"]
-        # A step moves each parameter toward its bound and never past where it already is: a value configured
-        # outside the paper's range (e.g. D0 = 1) is left alone by a step that would move it the wrong way.
-        if mean > a_star + DEAD_BAND:  # accepting well: draft deeper and wider
-            s["d0"] = max(s["d0"], min(s["d0"] + 1, d_max - 1))
-            s["tau_h"] = min(s["tau_h"], round(max(s["tau_h"] - 0.05, 0.5), 4))
-            s["rho_deep"] = min(s["rho_deep"], round(max(s["rho_deep"] - 0.05, 0.3), 4))
-        elif mean < a_star - DEAD_BAND:  # accepting poorly: more conservative
-            s["d0"] = min(s["d0"], max(s["d0"] - 1, 2))
-            s["tau_h"] = max(s["tau_h"], round(min(s["tau_h"] + 0.05, 0.95), 4))
-            s["rho_deep"] = max(s["rho_deep"], round(min(s["rho_deep"] + 0.05, 0.8), 4))
+        self.recent.append(min(accepted / self.depth, 1.0))
+        c, s = self.config, self.state
+        error = sum(self.recent) / len(self.recent) - c["a_star"]
+        self.level = min(max(self.level + c["eta_d"] * error, 1.0), c["d_max"] - 1.0)
+        s["d0"] = int(self.level + 0.5)
+        s["tau_h"] = round(min(max(s["tau_h"] - c["eta_h"] * error, 0.0), 1.0), 6)
+        s["tau_l"] = round(min(max(s["tau_l"] - c["eta_h"] * error, 0.0), s["tau_h"]), 6)

@@ -11,6 +11,7 @@ shallower (then earlier) node, so the kept set is prefix-closed. Candidates live
 works (the drafter needs their ids); the rest are pruned at the end and the drafter's rows remapped.
 """
 from engine.strategies.base import Param, Strategy
+from engine.strategies.sizing import SizeCost, accepted_within, most_probable
 
 
 class Eagle2(Strategy):
@@ -28,6 +29,12 @@ class Eagle2(Strategy):
         "cpu": {"n": 8, "k": 2, "depth": 2},
         "paper": {"n": 60, "k": 10, "depth": 7},
     }
+
+    def cost_at(self, sample, size: int) -> SizeCost:
+        """N only re-ranks: the beam's depth + 1 draft forwards are the same at every N, and N = size keeps the size
+        most probable candidates."""
+        kept = most_probable(sample, size)
+        return SizeCost(len(kept), accepted_within(sample, kept), list(sample.draft_rows), len(kept) + 1)
 
     def build(self, drafter, tree) -> None:
         c = self.config

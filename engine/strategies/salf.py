@@ -17,8 +17,44 @@ import heapq
 import torch
 
 from engine.strategies.base import Param, Strategy, StrategyError
+from engine.strategies.sizing import SizeCost, accepted_within, most_probable
 
 MAX_ROUNDS = 4096  # a guard only: every round adds a node to G or ends the search
+
+
+def replay(sample, n: int, b: int, th: float, max_depth: int) -> tuple[list[int], list[int]]:
+    """SALF's rounds (build's loop) with capacity n on an observed tree instead of the draft: a node's children are
+    its children there. (kept nodes, rows of each draft forward.) A smaller N than observed raises eps, so it pops and
+    expands a subset of what was observed; the nodes it needs are those of highest path probability, which the
+    observed tree holds."""
+    children: dict[int, list[int]] = {}
+    for node in range(1, sample.drafted + 1):
+        children.setdefault(sample.parents[node], []).append(node)
+    pr, depth = sample.path_q, sample.depths
+    queue: list[tuple] = []
+    kept: list[tuple] = []  # min-heap (pr, -node), as in build
+    rows, batch = [], [0]
+    for _ in range(MAX_ROUNDS):
+        expand = [v for v in batch if depth[v] < max_depth]
+        if expand:
+            rows.append(sample.first_rows if expand == [0] else len(expand))
+            queue = heapq.nsmallest(n, queue + [(-pr[c], c) for v in expand for c in children.get(v, [])])
+        popped = []
+        while queue and len(popped) < b:
+            neg, node = heapq.heappop(queue)
+            if len(kept) == n and (-neg, float("-inf")) <= kept[0]:
+                popped.append((-neg, None))
+                continue
+            heapq.heappush(kept, (-neg, -node))
+            if len(kept) > n:
+                heapq.heappop(kept)
+            popped.append((-neg, node))
+        eps = kept[0][0] if len(kept) == n else 0.0
+        in_g = {-entry[1] for entry in kept}
+        batch = [v for p, v in popped if v is not None and p > eps and v in in_g]
+        if not batch or sum(pr[v] for v in batch) < th:
+            break
+    return sorted(-entry[1] for entry in kept), rows
 
 
 class SALF(Strategy):
@@ -42,6 +78,14 @@ class SALF(Strategy):
         c = self.config
         if c["b"] > c["n"]:
             raise StrategyError(f"B ({c['b']}) must not exceed N ({c['n']}): a round pops at most N useful nodes")
+
+    def sizes(self) -> range:
+        return range(self.config["b"], super().sizes().stop)  # N < B is refused (check)
+
+    def cost_at(self, sample, size: int) -> SizeCost:
+        """N moves eps and so the stop: replay the rounds with N = size on the observed tree (`replay`)."""
+        kept, rows = replay(sample, size, self.config["b"], self.config["th"], self.config["max_depth"])
+        return SizeCost(len(kept), accepted_within(sample, kept), rows, len(kept) + 1)
 
     def build(self, drafter, tree) -> None:
         c = self.config

@@ -142,7 +142,7 @@ class Verifier:
 
     def check_strategy(self, strategy) -> None:
         """Refuse, before decoding, a strategy whose trees this rule cannot check losslessly."""
-        for mode in getattr(strategy, "child_modes_used", ()) or (strategy.child_mode,):
+        for mode in strategy.child_modes_used:
             self.check_compatible(mode)
 
     def check_tree(self, tree: DraftTree) -> None:
@@ -195,11 +195,10 @@ class TopDown(Verifier):
 
 class ChainOnly:
     """Mixin for single-path rules: refuse trees in which a node has more than one child draw."""
-    chain_strategies: ClassVar[tuple[str, ...]] = ("ar", "linear")
 
     def check_strategy(self, strategy) -> None:
         super().check_strategy(strategy)
-        if not getattr(strategy, "chain", strategy.name in self.chain_strategies):
+        if not strategy.chain:
             raise VerificationError(f"verification rule {self.name!r} checks a single draft chain; strategy "
                                     f"{strategy.name!r} drafts trees (use a tree rule such as 'traversal')")
 

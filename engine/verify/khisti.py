@@ -2,7 +2,7 @@
 
 The selection weights here are p/q tournament weights, NOT the truncated-LP weights of Khisti et al.: the rule is
 exactly lossless either way, but its acceptance is lower than the paper's (measured against the Algorithm 10 bound
-for our selection in tests/test_verify_exact.py and the README).
+for our selection in tests/test_verify_exact.py and docs/rules.md).
 
 Step 1, importance-weighted selection: a sequential pairwise tournament over the draws X_1..X_k (the champion meets
 each next draw; x beats y with probability w(x) / (w(x) + w(y)), w = p / q, 1/2 when both are 0) picks one token Y.

@@ -1,12 +1,14 @@
-"""The teaching panels drawn from a run's records: draft calibration (DySpec's Hypothesis 1) and this machine's costs.
+"""The run's charts, drawn from its records: per-iteration charts, throughput beside AR, and the teaching panels —
+draft calibration (DySpec's Hypothesis 1) and this machine's costs.
 
-Both read only engine.trace records, so a gallery trace or an uploaded one shows them with no model loaded. The
-calibration cells are engine.metrics.calibration's; the costs are the engine's per-iteration `extra["cost"]`
-(predicted from the measured cost table beside measured seconds, engine/decoder.py `_cost`).
+All read only engine.trace records, so a gallery trace or an uploaded one shows them with no model loaded. The run-level
+numbers are the engine's (RunResult.metrics); the calibration cells are engine.metrics.calibration's; the costs are
+the engine's per-iteration `IterationRecord.cost` (predicted from the measured cost table beside measured seconds).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any, Sequence
 
 import plotly.graph_objects as go
@@ -14,6 +16,94 @@ from plotly.subplots import make_subplots
 
 from engine.metrics import DRIFT_TOLERANCE, calibration, cost_drift, drift_off
 from engine.trace import RunResult
+from treeviz.html import ar_source_text
+
+# -- per-run charts ------------------------------------------------------------------------------------------------
+STAGE_COLORS = {"draft": "#f39c12", "build": "#9b59b6", "verify": "#2980b9", "commit": "#7f8c8d", "other": "#bdc3c7"}
+
+
+def charts_figure(run: RunResult | None, selected: int | None = None, stage_mode: str = "per iteration") -> go.Figure:
+    """2x2: tokens per iteration with the run's L̄; acceptance per iteration; per-depth acceptance; stage times.
+    Per-iteration series come from the records, every run-level number from run.metrics (the engine's)."""
+    fig = make_subplots(rows=2, cols=2, horizontal_spacing=0.1, vertical_spacing=0.2, subplot_titles=(
+        "L: tokens committed per iteration", "acceptance rate per iteration",
+        "per-depth acceptance P(ℓ ≥ d)", "stage time (ms)"))
+    its = run.iterations if run is not None else []
+    if its:
+        _add_iteration_charts(fig, run, stage_mode)
+        if selected is not None:
+            for row, col in ((1, 1), (1, 2)) + (((2, 2),) if stage_mode != "total" else ()):
+                fig.add_vline(x=selected, line={"color": "#e74c3c", "width": 1.5, "dash": "dot"}, row=row, col=col)
+        fig.update_layout(barmode="stack")
+        fig.update_yaxes(range=[0, 1.05], row=1, col=2)
+        fig.update_yaxes(range=[0, 1.05], row=2, col=1)
+        fig.update_xaxes(title_text="iteration", row=1, col=1)
+        fig.update_xaxes(title_text="iteration", row=1, col=2)
+        fig.update_xaxes(title_text="depth d", dtick=1, row=2, col=1)
+    fig.update_layout(template="plotly_white", height=520, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      legend={"font": {"size": 10}}, showlegend=True)
+    return fig
+
+
+def _add_iteration_charts(fig: go.Figure, run: RunResult, stage_mode: str) -> None:
+    its, m = run.iterations, run.metrics
+    idx = [it.index for it in its]
+    fig.add_trace(go.Bar(x=idx, y=[it.committed for it in its], name="L (this iteration)", marker_color="#7fb3d5",
+                         hovertemplate="iteration %{x}: %{y} tokens<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=[idx[0], idx[-1]], y=[m["mean_tokens_per_iter"]] * 2, mode="lines",
+                             name=f"L̄ = {m['mean_tokens_per_iter']:.2f} (run)", line={"color": "#1f4e79", "width": 2.5},
+                             hovertemplate="L̄ = %{y:.2f}<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=idx, y=[it.accepted / it.drafted if it.drafted else None for it in its],
+                             mode="lines+markers", name="acceptance rate", line={"color": "#27ae60"},
+                             connectgaps=False, hovertemplate="iteration %{x}: %{y:.2f}<extra></extra>"), row=1, col=2)
+    depth = m["per_depth_acceptance"]
+    if depth:
+        fig.add_trace(go.Bar(x=list(range(1, len(depth) + 1)), y=depth, name="P(ℓ ≥ d)", marker_color="#16a085",
+                             hovertemplate="depth %{x}: %{y:.2f}<extra></extra>"), row=2, col=1)
+    for stage, color in STAGE_COLORS.items():
+        if stage_mode == "total":
+            x, y = ["run"], [m["stage_s"][stage] * 1000]
+        else:
+            x, y = idx, [it.times.get(stage, 0.0) * 1000 for it in its]
+        fig.add_trace(go.Bar(x=x, y=y, name=stage, marker_color=color, legendgroup="stage",
+                             hovertemplate=f"{stage}: %{{y:.1f}} ms<extra></extra>"), row=2, col=2)
+
+
+def throughput_figure(run: RunResult | None, ar_run: RunResult | None) -> go.Figure:
+    """Tokens/s of the run beside AR on the same prompt in the same session, with the speedup."""
+    fig = go.Figure()
+    names, values, colors = [], [], []
+    tps = run.metrics.get("tokens_per_s") if run is not None else None
+    speedup = (run.comparison or {}).get("speedup_vs_ar") if run is not None else None
+    if ar_run is not None and ar_run.metrics.get("tokens_per_s"):
+        names.append("AR")
+        values.append(ar_run.metrics["tokens_per_s"])
+        colors.append("#95a5a6")
+    elif speedup and tps and run.strategy != "ar":
+        names.append("AR (recorded)")  # a replayed trace: AR's rate from the speedup stored with it
+        values.append(tps / speedup)
+        colors.append("#95a5a6")
+    if tps and run.strategy != "ar":
+        names.append(str(run.strategy))
+        values.append(tps)
+        colors.append("#2980b9")
+    fig.add_trace(go.Bar(x=values, y=names, orientation="h", marker_color=colors,
+                         text=[f"{v:.1f} tok/s" for v in values], textposition="auto",
+                         hovertemplate="%{y}: %{x:.2f} tokens/s<extra></extra>"))
+    title = "throughput (tokens/s)"
+    if len(values) == 2 and values[0] > 0:
+        title += f": speedup {values[1] / values[0]:.2f}× over AR (eager)"  # bench also times compiled AR
+    elif run is not None and ar_run is None and run.strategy != "ar":
+        title += " (AR not measured yet)"
+    source = ar_source_text(run.comparison) if run is not None and len(values) == 2 else ""
+    if source:
+        title += f"<br><span style='font-size:11px;color:#6b7280'>{source}</span>"
+    fig.update_layout(title={"text": title, "font": {"size": 13}, "x": 0.01}, template="plotly_white",
+                      height=170 + (16 if source else 0), showlegend=False,
+                      margin={"l": 10, "r": 10, "t": 52 if source else 36, "b": 24},
+                      xaxis={"rangemode": "tozero"})
+    return fig
+
 
 SERIES_COLORS = ("#2980b9", "#e67e22", "#27ae60", "#8e44ad", "#c0392b", "#16a085", "#7f8c8d", "#d4ac0d")
 
@@ -68,8 +158,8 @@ def ar_seconds_per_token(run: RunResult, ar_run: RunResult | None = None) -> flo
 
 def cost_rows(run: RunResult) -> list[dict[str, Any]]:
     """Per iteration with a recorded cost: its index, committed tokens and the engine's cost record."""
-    return [{"index": it.index, "committed": it.committed, **it.extra["cost"]}
-            for it in run.iterations if isinstance(it.extra.get("cost"), dict)]
+    return [{"index": it.index, "committed": it.committed, **asdict(it.cost)}
+            for it in run.iterations if it.cost is not None]
 
 
 def drift_title(run: RunResult) -> str:

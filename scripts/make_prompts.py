@@ -3,7 +3,7 @@
 code:  signature + docstring of standard-library functions (the model completes the body);
 prose: opening passages of the language reference topics in pydoc_data (the model continues the text);
 chat:  questions about those same functions and topics, as chat messages.
-Run: python assets/make_prompts.py
+Run: python -m scripts.make_prompts
 """
 import ast
 import inspect
@@ -48,7 +48,7 @@ def prose_prompt(topic: str, words: int = 90) -> str:
 
 
 def main() -> None:
-    out = Path(__file__).parent / "prompts"
+    out = Path(__file__).resolve().parent.parent / "assets" / "prompts"
     out.mkdir(exist_ok=True)
     code = [{"name": f"{m}.{f}", "kind": "code", "prompt": code_prompt(m, f)} for m, f in CODE_FUNCTIONS]
     prose = [{"name": f"topic:{t}", "kind": "prose", "prompt": prose_prompt(t)} for t in PROSE_TOPICS]

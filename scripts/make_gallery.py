@@ -1,7 +1,7 @@
 """Regenerate the gallery of precomputed traces in assets/traces/ (what a visitor sees before any model loads).
 
-    python -m treeviz.make_gallery --pair default        # the real offline pair: several minutes of CPU
-    python -m treeviz.make_gallery --pair tiny-random --out /tmp/gallery   # seconds; what the tests use
+    python -m scripts.make_gallery --pair default        # the real offline pair: several minutes of CPU
+    python -m scripts.make_gallery --pair tiny-random --out /tmp/gallery   # seconds; what the tests use
 
 Code, chat and prose prompts (the first of each kind in assets/prompts/); DynaTree, DySpec, SALF and DDTree with
 their `paper` presets (big trees), `delayed` at temperature 0.8, then the `cpu` preset of the strategy that ran
@@ -15,8 +15,10 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.session import RunSpec
 from engine.strategies import STRATEGIES
-from treeviz.backend import Backend, Cancel, Done, RunSpec, UserError
+from treeviz.errors import UserError
+from treeviz.runs import Backend, Cancel, Done
 from treeviz.replay import TRACE_DIR
 from treeviz.ui import load_examples
 

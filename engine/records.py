@@ -1,0 +1,104 @@
+"""One iteration as the trace keeps it: the `IterationRecord` the UI, the benchmarks and the `auto` sizer read.
+
+Built from what the iteration produced (the drafted tree, the target's logits over it, the rule's verdict): every
+node with its draft and target probabilities and its outcome, and what the node inspector shows (the top of p and q
+after every expanded node).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sampling import Sampling
+from engine.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationCost, IterationRecord,
+                          NodeRecord)
+from engine.tree import DraftTree
+from engine.verify import Verdict
+
+if TYPE_CHECKING:
+    from engine.costs import PairCosts
+
+
+def iteration_record(tokenizer, sampling: Sampling, index: int, root_pos: int, tree: DraftTree, verdict: Verdict,
+                     logits: torch.Tensor, new: list[int], params: dict) -> IterationRecord:
+    """The record of one iteration; its times, draft forwards and cost are the decoder's to fill in."""
+    path = verdict.path
+    parents = sorted({p for p in tree.parents if p >= 0} | {path[-1]})
+    rows = logits[parents].float()
+    # p as the rule saw it: the processed target distribution when sampling, the softmax when greedy.
+    probs = torch.softmax(rows, dim=-1) if sampling.greedy else sampling.process(rows)
+    row_of = {p: i for i, p in enumerate(parents)}
+    nodes = _tree_nodes(tokenizer, tree, verdict, probs, row_of)
+    last = path[-1]
+    bonus_q = float(tree.child_dist[last][verdict.bonus]) if last in tree.child_dist else None
+    nodes.append(NodeRecord(
+        id=len(tree), parent=last, token=verdict.bonus, text=tokenizer.decode([verdict.bonus]),
+        depth=tree.depths[last] + 1, q=bonus_q, rank=None,
+        path_q=tree.path_q[last] * bonus_q if bonus_q is not None else None,
+        p=float(probs[row_of[last], verdict.bonus]), status=BONUS, resampled=verdict.resampled))
+    return IterationRecord(
+        index=index, position=root_pos, nodes=nodes, accepted_path=path, bonus_token=verdict.bonus,
+        bonus_text=tokenizer.decode([verdict.bonus]), new_tokens=list(new), drafted=tree.num_drafted,
+        accepted=min(len(path) - 1, len(new)), draft_forwards=0, params=params, times={}, extra=dict(tree.extra))
+
+
+def _tree_nodes(tokenizer, tree: DraftTree, verdict: Verdict, probs: torch.Tensor,
+                row_of: dict[int, int]) -> list[NodeRecord]:
+    """Every tree node with its outcome; `probs[row_of[n]]` is the target's p after node n."""
+    on_path = set(verdict.path)
+    next_p = top_k(tokenizer, probs)
+    next_q = _draft_top_k(tokenizer, tree, [p for p in row_of if p in tree.child_dist], probs)
+    nodes = []
+    for i, token in enumerate(tree.tokens):
+        parent = tree.parents[i]
+        if i == 0:
+            status = ROOT
+        elif i in on_path:
+            status = ACCEPTED
+        elif parent in on_path:
+            status = REJECTED
+        else:
+            status = UNREACHED
+        nodes.append(NodeRecord(
+            id=i, parent=parent, token=token, text=tokenizer.decode([token]), depth=tree.depths[i],
+            q=tree.q[i] if i else None, rank=tree.ranks[i] if i else None, path_q=tree.path_q[i],
+            p=float(probs[row_of[parent], token]) if i else None, status=status,
+            accept_prob=verdict.accept_prob.get(i), draws=tree.multiplicity(i) if i else 1,
+            next_p=next_p[row_of[i]] if i in row_of else [], next_q=next_q.get(i, [])))
+    return nodes
+
+
+def _draft_top_k(tokenizer, tree: DraftTree, drafted: list[int], probs: torch.Tensor) -> dict[int, list[list]]:
+    """The top of q after every node in `drafted` (nodes whose children the draft drew), one topk row per distinct q
+    tensor: DDTree's nodes of one depth share their depth's q."""
+    shared = {id(tree.child_dist[p]): tree.child_dist[p] for p in drafted}
+    q_rows = torch.stack(list(shared.values())).float() if shared else probs[:0]
+    top_q = dict(zip(shared, top_k(tokenizer, q_rows)))
+    return {p: top_q[id(tree.child_dist[p])] for p in drafted}
+
+
+def top_k(tokenizer, probs: torch.Tensor) -> list[list[list]]:
+    """Per row of `probs` [rows, V]: its TOP_K most probable tokens as [token, probability (4 significant digits:
+    display data, kept small in traces), text]. One topk over all rows and one batched decode."""
+    top = torch.topk(probs, min(TOP_K, probs.shape[-1]), dim=-1)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    texts = iter(tokenizer.batch_decode([[t] for row in ids for t in row]))
+    return [[[t, float(f"{v:.4g}"), next(texts)] for t, v in zip(row_ids, row_values)]
+            for row_ids, row_values in zip(ids, values)]
+
+
+def margins(logits: torch.Tensor) -> list[float]:
+    """Target's top-1 minus top-2 logit per row: how close a greedy choice was to flipping."""
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def iteration_cost(costs: PairCosts, draft_rows: list[int], verify_rows: int, times: dict[str, float]) -> IterationCost:
+    """Predicted (from the measured cost table `costs`) beside measured seconds of an iteration's draft and verify."""
+    predicted = costs.predict(draft_rows, verify_rows)
+    return IterationCost(
+        draft_rows=list(draft_rows), verify_rows=verify_rows, predicted_draft_s=predicted["draft_s"],
+        predicted_verify_s=predicted["verify_s"], predicted_s=predicted["total_s"],
+        measured_draft_s=times["draft"], measured_verify_s=times["verify"],
+        measured_s=times["draft"] + times["verify"])

@@ -1,0 +1,22 @@
+"""Leaf utilities every layer may use: device synchronisation for honest timings, and where caches live on disk.
+
+Imports nothing from engine, so anything (kernels, costs, models, the decoder) can import it without a circle.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so perf_counter() around it measures the work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cache_dir() -> Path:
+    """$TREEVIZ_CACHE or ~/.cache/treeviz: converted models are gigabytes and must never land in the repo."""
+    root = os.environ.get("TREEVIZ_CACHE") or Path.home() / ".cache" / "treeviz"
+    return Path(root).expanduser()

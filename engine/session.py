@@ -1,0 +1,104 @@
+"""The one run recipe: a `RunSpec` (plain, picklable data) -> a `Decoder` on a loaded pair.
+
+The app, the bench, the command line and the scripts all build their runs here, so the rules that decide what a
+run is live in one place: pair names (`split_pair`), "AR gets no explicit verification rule" (`make_rule`), the
+sampling settings, and the chat fallback for tokenizers without a chat template (`prompt_for`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.decoder import Decoder, DecodeRun
+from engine.models import PAIRS
+from engine.sampling import Sampling
+from engine.strategies import make_strategy
+from engine.trace import RunResult
+from engine.verify import Verifier, make_verifier
+
+AR = "ar"
+
+
+@dataclass
+class RunSpec:
+    """Everything a run needs, as plain picklable data (it crosses ZeroGPU's process boundary)."""
+    pair: str
+    prompt: Any                        # str or chat messages
+    strategy: str
+    preset: str = "cpu"
+    params: dict[str, Any] = field(default_factory=dict)
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    verifier: str = "auto"             # a rule's name, or "auto": the strategy's default rule
+    stop_on_eos: bool = True
+    stop_strings: tuple[str, ...] = ()
+
+    def prompt_key(self) -> str:
+        return json.dumps(self.prompt, sort_keys=True, ensure_ascii=False)
+
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p),
+                        seed=int(self.seed))
+
+    def as_method(self, method: str, params: dict | None = None) -> "RunSpec":
+        """The same prompt and settings for another method ("dynatree", "dynatree@auto", "ar"): a Compare row."""
+        name, _, preset = method.partition("@")
+        return replace(self, strategy=name, preset=preset or ("cpu" if name != self.strategy else self.preset),
+                       params=dict(params or {}))
+
+
+def split_pair(name: str) -> tuple[str, str | None]:
+    """A pair name -> (target spec, draft spec): a named pair, "TARGET + DRAFT", or one model drafting for itself."""
+    if name in PAIRS:
+        return PAIRS[name]
+    if " + " in name:
+        target, draft = (s.strip() for s in name.split(" + ", 1))
+        return target, draft
+    return name, name
+
+
+def make_rule(spec: RunSpec) -> Verifier | None:
+    """The verification rule a spec names; None picks the strategy's default. AR has no draft to verify."""
+    if spec.strategy == AR or spec.verifier in ("auto", "", None):
+        return None
+    return make_verifier(spec.verifier)
+
+
+def prompt_for(pair, prompt):
+    """Chat messages become plain text for a tokenizer without a chat template (e.g. the tiny test pair)."""
+    if isinstance(prompt, list) and not getattr(pair.tokenizer, "chat_template", None):
+        return "\n".join(str(m.get("content", "")) for m in prompt)
+    return prompt
+
+
+def make_decoder(pair, spec: RunSpec, verifier: Verifier | None = None) -> Decoder:
+    """`verifier` overrides the spec's rule with an instance (scripts wrap rules to record what they accept)."""
+    strategy = make_strategy(spec.strategy, spec.preset, **spec.params)
+    rule = verifier if verifier is not None and spec.strategy != AR else make_rule(spec)
+    return Decoder(pair, strategy, verifier=rule, sampling=spec.sampling())
+
+
+def start_run(pair, spec: RunSpec, verifier: Verifier | None = None) -> DecodeRun:
+    """A ready-to-iterate run of `spec` on `pair` (one `IterationRecord` per target pass; `.result` at the end)."""
+    return make_decoder(pair, spec, verifier).run(
+        prompt_for(pair, spec.prompt), max_new_tokens=int(spec.max_new_tokens), stop_on_eos=spec.stop_on_eos,
+        stop_strings=tuple(spec.stop_strings))
+
+
+def generate(pair, spec: RunSpec, verifier: Verifier | None = None) -> RunResult:
+    """`spec` decoded to the end on `pair`."""
+    run = start_run(pair, spec, verifier)
+    for _ in run:
+        pass
+    return run.result
+
+
+def check_spec(spec: RunSpec) -> None:
+    """Refuse a spec that cannot run (strategy, its parameters, sampling, the rule's name) before any model loads."""
+    make_strategy(spec.strategy, spec.preset, **spec.params)
+    spec.sampling()
+    make_rule(spec)

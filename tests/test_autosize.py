@@ -1,0 +1,142 @@
+"""The `auto` sizer asks each strategy what a size costs it (`Strategy.cost_at`), so it compares sizes on their true
+cost: on a synthetic cost table, the size it picks from one tree observed at a large size is the size that building
+and verifying the tree at every size (brute force, the strategy's real `build`) shows to be best."""
+import random
+
+import pytest
+import torch
+
+from engine.autosize import GROWTH, AutoSizer, Sample, predicted
+from engine.costs import LADDER, ModelCosts, PairCosts
+from engine.decoder import Decoder
+from engine.models import tiny_random_pair
+from engine.strategies import StrategyError, make_strategy
+from engine.tree import DraftTree
+
+V = 8
+
+
+def dist(path: tuple[int, ...], salt: str) -> torch.Tensor:
+    rng = random.Random(repr((salt, path)))
+    w = torch.tensor([rng.random() ** 3 for _ in range(V)], dtype=torch.float64)
+    return (w / w.sum()).float()
+
+
+def target_choice(path: tuple[int, ...]) -> int:
+    """The target's greedy token: the draft's q nudged by an unrelated distribution (agrees often, not always)."""
+    return int((dist(path, "draft") + 0.6 * dist(path, "target")).argmax())
+
+
+class Drafter:
+    """A deterministic draft over token paths; records each forward's row count (the root's forward has one row)."""
+    generator = None  # greedy decoding
+
+    def __init__(self, tree: DraftTree):
+        self.tree, self.rows = tree, []
+
+    def expand(self, nodes):
+        self.rows.append(len(nodes))
+        out = []
+        for node in nodes:
+            q = dist(tuple(self.tree.tokens[v] for v in self.tree.path_to(node)[1:]), "draft")
+            self.tree.confidence[node] = float(q.max())
+            out.append(q)
+        return torch.stack(out)
+
+    def remap(self, mapping):
+        pass
+
+
+def run(name: str, params: dict) -> tuple[DraftTree, list[int], list[int]]:
+    """Build the real strategy's tree and walk it greedily: (tree, draft forward rows, accepted node ids)."""
+    strategy = make_strategy(name, **params)
+    tree = DraftTree(root_token=-1)
+    drafter = Drafter(tree)
+    strategy.build(drafter, tree)
+    accepted, node = [], 0
+    while (child := tree.child_with_token(node, target_choice(tuple(tree.tokens[v] for v in tree.path_to(node)[1:])))
+           ) is not None:
+        accepted.append(child)
+        node = child
+    return tree, drafter.rows, accepted
+
+
+def costs(verify, draft=lambda r: 0.3) -> PairCosts:
+    return PairCosts(ModelCosts("t", {"plain": {r: verify(r) for r in LADDER}}),
+                     ModelCosts("d", {"plain": {r: draft(r) for r in LADDER}}))
+
+
+VERIFY = {"knee at 8 rows": lambda r: 1.0 if r <= 8 else 1.0 + 0.3 * (r - 8),
+          "steady slope": lambda r: 1.0 + 0.12 * r,
+          "flat": lambda r: 1.0}
+DRAFT = {"flat draft": lambda r: 0.3, "draft priced per row": lambda r: 0.1 + 0.1 * r}
+TABLES = {f"{v}, {d}": (VERIFY[v], DRAFT[d]) for v in VERIFY for d in DRAFT}
+CASES = [("eagle2", {"k": 3, "depth": 3}, 24), ("salf", {"b": 4, "th": 0.3}, 24), ("salf", {"b": 2, "th": 0.1}, 24),
+         ("salf", {"b": 3, "th": 0.0}, 24), ("ddtree", {"block": 5}, 24), ("ddtree", {"block": 3}, 24)]
+
+
+def brute_force(name, params, largest, table) -> dict[int, tuple[int, float]]:
+    """(tokens, seconds) of the real tree built at every size the strategy accepts, up to `largest`."""
+    strategy = make_strategy(name, **params, **{make_strategy(name).auto_param: largest})
+    out = {}
+    for m in strategy.sizes():
+        if m > largest:
+            break
+        tree, rows, accepted = run(name, {**params, strategy.auto_param: m})
+        out[m] = (len(accepted) + 1, table.predict(rows, len(tree))["total_s"])
+    return out
+
+
+@pytest.mark.parametrize("table_name", TABLES)
+@pytest.mark.parametrize("name,params,largest", CASES)
+def test_auto_picks_the_brute_force_best_size(name, params, largest, table_name):
+    table = costs(*TABLES[table_name])
+    strategy = make_strategy(name, **params, **{make_strategy(name).auto_param: largest})
+    tree, rows, accepted = run(name, strategy.config)
+    sample = Sample(tree.parents, tree.depths, accepted, rows[0], rows, 0.0, tree.path_q)
+    sizer = AutoSizer(strategy, table)
+    value = sizer.choose(sample)
+    truth = brute_force(name, params, largest, table)
+    best = max(truth, key=lambda m: (truth[m][0] / truth[m][1], -m))
+    assert sizer.last["best_size"] == best, f"{name} on '{table_name}': brute force {truth}"
+    assert strategy.size() == value >= GROWTH * best and value in strategy.sizes()
+    for m, (tokens, seconds) in truth.items():  # exact at every size, not only at the best
+        assert predicted(sample, strategy.cost_at(sample, m), table) == (tokens, pytest.approx(seconds)), m
+
+
+def test_eagle2_pays_depth_plus_one_forwards_at_every_size():
+    strategy = make_strategy("eagle2", k=3, depth=3, n=24)
+    tree, rows, accepted = run("eagle2", strategy.config)
+    sample = Sample(tree.parents, tree.depths, accepted, rows[0], rows, 0.0, tree.path_q)
+    assert {len(strategy.cost_at(sample, m).draft_rows) for m in range(1, 25)} == {4}
+    ddtree = make_strategy("ddtree", block=5, budget=24)
+    tree, rows, accepted = run("ddtree", ddtree.config)
+    sample = Sample(tree.parents, tree.depths, accepted, rows[0], rows, 0.0, tree.path_q)
+    assert ddtree.cost_at(sample, 1).draft_rows == [1, 1]  # q_1, and the forward that shows no depth-2 prefix wins
+    assert all(r == 1 for m in range(1, 25) for r in ddtree.cost_at(sample, m).draft_rows)  # the top-1 chain
+
+
+def test_sizer_sets_only_sizes_the_strategy_accepts():
+    salf = make_strategy("salf", "auto", b=8, n=16)
+    assert salf.sizes()[0] == 8
+    with pytest.raises(StrategyError):
+        salf.resize(4)
+    assert salf.size() == 16  # a refused size leaves the config as it was
+    tree, rows, accepted = run("salf", salf.config)
+    sample = Sample(tree.parents, tree.depths, accepted, rows[0], rows, 0.0, tree.path_q)
+    sizer = AutoSizer(salf, costs(lambda r: 1.0 if r <= 2 else 50.0))  # only tiny trees pay: best would be < B
+    assert sizer.choose(sample) >= 8 and min(sizer.predicted_rates()) == 8
+
+
+@pytest.mark.parametrize("name", ["eagle2", "salf", "ddtree", "dynatree", "dyspec", "fixed", "linear"])
+def test_auto_runs_on_the_production_path(name, monkeypatch):
+    """The decoder's sizer reads real records (path probabilities, draft rows, context) and keeps every size valid."""
+    monkeypatch.setattr(AutoSizer, "scale", lambda self: (1.0, 1.0))  # the synthetic table as given
+    pair = tiny_random_pair("identical", seed=0)
+    pair.costs = costs(VERIFY["knee at 8 rows"])
+    strategy = make_strategy(name, "auto")
+    start = strategy.size()
+    result = Decoder(pair, strategy).generate("hello", max_new_tokens=40, stop_on_eos=False)
+    chosen = [it.cost.auto["next"] for it in result.iterations]
+    assert all(m in strategy.sizes() for m in chosen) and set(chosen) != {start}
+    assert strategy.size() == chosen[-1]

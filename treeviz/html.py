@@ -1,0 +1,176 @@
+"""HTML built from trace records: the generated text coloured by provenance, its legend, the output-vs-AR badge
+(with where AR's figure came from) and the run's metrics row. Every piece of text is escaped here.
+"""
+from __future__ import annotations
+
+import html
+import time
+import unicodedata
+from typing import Any
+
+from engine.trace import RunResult
+
+WHITESPACE = {" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"}
+TOKEN_KIND_STYLE = {  # generated-text provenance
+    "prompt": ("#f0f0f0", "prompt"),
+    "prefill": ("#d6e4f0", "first token, from the prefill pass"),
+    "accepted": ("#c9ecc9", "accepted draft token"),
+    "bonus": ("#fde3c4", "bonus token (target's choice)"),
+}
+
+
+def visible_token(text: str | None) -> str:
+    """A token's text with whitespace made visible, with <, > and & escaped (safe inside plotly text and HTML text;
+    quotes stay as they are, since plotly would print the entity &quot; literally)."""
+    if text is None:
+        return "∅"
+    if text == "":
+        return "∅"
+    out = []
+    for ch in text:
+        if ch in WHITESPACE:
+            out.append(WHITESPACE[ch])
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Zs", "Zl", "Zp"):
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}")  # invisible: show its code
+        else:
+            out.append(ch)
+    return html.escape("".join(out), quote=False)
+
+
+
+def token_pieces(run: RunResult) -> list[dict[str, Any]]:
+    """Output tokens with their text and provenance, as the engine recorded them (RunResult.token_sources).
+    A trace written before sources carried text shows its output text as one piece."""
+    sources = run.token_sources
+    if not sources or any("text" not in src for src in sources):
+        return [{"text": run.output_text, "kind": "prefill", "iteration": -1, "margin": None}]
+    return [{"text": src["text"], "kind": src["kind"], "iteration": src["iteration"], "margin": src["margin"]}
+            for src in sources]
+
+
+def tokens_html(run: RunResult | None, selected: int | None = None, show_prompt: bool = True,
+                divergence: int | None = None) -> str:
+    """Generated text as HTML spans coloured by provenance, with a tooltip per token; the selected iteration's
+    tokens are outlined; the first divergence from AR (if any) is marked."""
+    if run is None:
+        return "<div class='tv-text tv-empty'>No run yet.</div>"
+    parts = ["<div class='tv-text'>"]
+    if show_prompt and run.prompt:
+        prompt = str(run.prompt)
+        if len(prompt) > 160:
+            prompt = "…" + prompt[-160:]
+        parts.append(f"<span class='tv-prompt' title='prompt'>{html.escape(prompt)}</span>")
+    for i, piece in enumerate(token_pieces(run)):
+        kind = piece["kind"]
+        color, label = TOKEN_KIND_STYLE.get(kind, ("#eeeeee", kind))
+        it = piece["iteration"]
+        tip = f"token {i} · {label}"
+        if it is not None and it >= 0:
+            tip += f" · iteration {it}"
+        if piece["margin"] is not None:
+            tip += f" · target top-2 margin {piece['margin']:.2f}"
+        tip += f" · {piece['text']!r}"
+        style = f"background:{color};"
+        cls = "tv-tok"
+        if selected is not None and it == selected:
+            cls += " tv-sel"
+        if divergence is not None and i == divergence:
+            cls += " tv-div"
+            tip += " · FIRST DIVERGENCE FROM AR"
+        text = piece["text"]
+        shown = html.escape(text).replace("\n", "⏎\n") if text.strip() or "\n" in text else (
+            html.escape(text) if text else "∅")
+        parts.append(f"<span class='{cls}' style='{style}' title='{html.escape(tip, quote=True)}'>{shown}</span>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+
+def token_legend_html() -> str:
+    spans = "".join(f"<span style='background:{c}'>{html.escape(label)}</span>"
+                    for kind, (c, label) in TOKEN_KIND_STYLE.items() if kind != "prompt")
+    return f"<div class='tv-legend'>{spans}<span style='outline:2px solid #e74c3c'>selected iteration</span></div>"
+
+
+def badge_html(comparison: dict[str, Any] | None, sampled: bool = False) -> str:
+    """Does the output equal AR's, and (when the comparison records it) where AR's figure came from."""
+    if not comparison:
+        return "<span class='tv-badge tv-na'>output vs AR: not compared</span>"
+    source = ar_source_text(comparison)
+    note = f" <span class='tv-badge tv-na tv-ar-source'>{html.escape(source)}</span>" if source else ""
+    return output_match_html(comparison, sampled) + note
+
+
+def output_match_html(comparison: dict[str, Any], sampled: bool) -> str:
+    if sampled:
+        first = comparison.get("first_divergence")
+        where = "identical to AR's sample" if comparison.get("exact_match") else f"differs from AR from token {first}"
+        return ("<span class='tv-badge tv-na'>sampling: lossless in distribution, not token for token "
+                f"({html.escape(where)})</span>")
+    if comparison.get("exact_match"):
+        n = comparison.get("compared_tokens")
+        return f"<span class='tv-badge tv-ok'>✓ output matches AR token for token ({n} tokens)</span>"
+    first = comparison.get("first_divergence")
+    extra = ""
+    margin = comparison.get("reference_margin")
+    if margin is not None:
+        extra = f"; AR's top-2 logit margin there: {margin:.3f}" + (" (a near-tie)" if margin < 0.5 else "")
+    return (f"<span class='tv-badge tv-bad'>✗ output differs from AR from token {first}{html.escape(extra)}"
+            "</span>")
+
+
+def ar_source_text(comparison: dict[str, Any] | None) -> str:
+    """Where the AR figure beside a run came from (runs.Backend records it with the comparison): measured for this
+    run, or reused from the AR cache, measured when and how long before; "" for a comparison that does not say."""
+    if not comparison or comparison.get("ar_measured_at") is None:
+        return ""
+    at = time.strftime("%H:%M:%S UTC", time.gmtime(comparison["ar_measured_at"]))
+    if not comparison.get("ar_reused"):
+        return f"AR measured for this run ({at})"
+    return f"AR reused from the cache: measured at {at}, {duration_text(comparison.get('ar_age_s') or 0.0)} earlier"
+
+
+def duration_text(seconds: float) -> str:
+    """e.g. "8 s", "4 min 12 s", "2 h 5 min"."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+def metrics_rows(run: RunResult, ar_run: RunResult | None = None) -> dict[str, Any]:
+    m = run.metrics
+    row = {"strategy": run.strategy,
+           "tokens/s": m.get("tokens_per_s"),
+           "speedup": None,
+           "L̄": m.get("mean_tokens_per_iter"),
+           "ℓ̄": m.get("mean_accepted_len"),
+           "acceptance": m.get("acceptance_rate"),
+           "#iterations": m.get("iterations"),
+           "new tokens": m.get("new_tokens")}
+    ar_tps = ar_run.metrics.get("tokens_per_s") if ar_run is not None else None
+    if ar_tps and row["tokens/s"]:
+        row["speedup"] = row["tokens/s"] / ar_tps
+    elif (run.comparison or {}).get("speedup_vs_ar"):
+        row["speedup"] = run.comparison["speedup_vs_ar"]  # recorded with a replayed trace
+    return row
+
+
+def metrics_html(run: RunResult | None, ar_run: RunResult | None = None) -> str:
+    """The run-level metrics row (the selected iteration's numbers are in the tree's title)."""
+    if run is None:
+        return ""
+    row = metrics_rows(run, ar_run)
+
+    def f(v, spec=".2f"):
+        return "–" if v is None else (format(v, spec) if isinstance(v, float) else str(v))
+    speedup = f(row["speedup"], ".2f") + "×" if row["speedup"] else "–"
+    cells = [("run", str(run.strategy)), ("tokens/s", f(row["tokens/s"], ".1f")), ("speedup vs AR", speedup),
+             ("L̄", f(row["L̄"])), ("ℓ̄", f(row["ℓ̄"])), ("acceptance", f(row["acceptance"])),
+             ("iterations", f(row["#iterations"])), ("new tokens", f(row["new tokens"]))]
+    body = "".join(f"<div style='display:inline-block;margin:0 14px 4px 0'><div style='font-size:11px;"
+                   f"color:#6b7280'>{html.escape(k)}</div><div style='font-size:16px;font-weight:600'>"
+                   f"{html.escape(v)}</div></div>" for k, v in cells)
+    return f"<div class='tv-metrics'>{body}</div>"

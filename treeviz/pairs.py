@@ -1,0 +1,132 @@
+"""The model pair: at most one loaded at a time, loaded in a background thread (on CPU), with the lock that
+serialises decoding on it. Pair names are engine.session's (`split_pair`); the hub presets are the app's."""
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from typing import Any
+
+from engine.models import PAIRS, load_pair
+from engine.session import AR, RunSpec, split_pair, start_run
+from treeviz.errors import UserError, friendly_error
+from treeviz.gpu import on_zero_gpu
+
+log = logging.getLogger("treeviz")
+
+HUB_PRESETS = (
+    "EleutherAI/pythia-2.8b + EleutherAI/pythia-70m",
+    "Qwen/Qwen2.5-1.5B-Instruct + Qwen/Qwen2.5-0.5B-Instruct",
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct + HuggingFaceTB/SmolLM2-135M-Instruct",
+)
+# On a GPU the DynaTree pair is the natural first choice: its 6-layer draft is cheap even when kernel launches
+# dominate a step, and both models fit any Space GPU in bf16.
+GPU_PRESET = HUB_PRESETS[0]
+
+
+def pair_choices() -> list[str]:
+    return list(PAIRS) + [p for p in HUB_PRESETS if p not in PAIRS]
+
+
+def warm_up(name: str, pair) -> None:
+    """First calls pay for allocator growth and kernel selection: keep that off the first run's tokens/s."""
+    spec = RunSpec(pair=name, prompt="def hello():", strategy="linear" if pair.draft is not None else AR,
+                   max_new_tokens=4)
+    for _ in start_run(pair, spec):
+        pass
+
+
+class PairManager:
+    """Holds at most one loaded pair; loads in a background thread; `run_lock` serialises decoding on it."""
+
+    def __init__(self):
+        self.name: str | None = None       # the pair requested last
+        self.pair = None                   # loaded ModelPair for self.loaded_name
+        self.loaded_name: str | None = None
+        self.loading = False
+        self.progress = (0.0, "")
+        self.error: str | None = None
+        self.description = ""
+        self._cond = threading.Condition()
+        self.run_lock = threading.Lock()   # a Lock (not RLock): a closed generator may release it from any thread
+        self._generation = 0
+        self._inflight: dict[str, int] = {}  # pair name -> generation of its load still running
+
+    def request(self, name: str, device: str = "auto") -> None:
+        """Start loading `name` (no-op if it is loaded or loading). Loads never hold the run lock while loading, so
+        a quick pair (tiny-random) can be used while a slow one is still loading."""
+        with self._cond:
+            if name == self.name and (self.loading or self.pair is not None) and not self.error:
+                return
+            self.name, self.error, self.loading = name, None, True
+            if name in self._inflight:  # a load of this pair is still running: follow it
+                self._generation = self._inflight[name]
+                return
+            self.progress = (0.0, f"loading {name}…")
+            self._generation += 1
+            gen = self._inflight[name] = self._generation
+        threading.Thread(target=self.load, args=(name, gen, device), daemon=True, name=f"load-{name}").start()
+
+    def load(self, name: str, gen: int | None = None, device: str = "auto") -> None:
+        """Load `name` in this thread (a background thread from `request`, or at import time on ZeroGPU)."""
+        if gen is None:
+            with self._cond:
+                self.name, self.loading, self.error = name, True, None
+                self._generation += 1
+                gen = self._inflight[name] = self._generation
+        try:
+            self._load(name, gen, device)
+        except Exception as err:  # noqa: BLE001 - any failure is shown in the UI, never as a traceback
+            log.warning("loading %s failed:\n%s", name, traceback.format_exc())
+            with self._cond:
+                if gen == self._generation:
+                    self.loading, self.error = False, friendly_error(err, "load")
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                if self._inflight.get(name) == gen:
+                    del self._inflight[name]
+
+    def _load(self, name: str, gen: int, device: str) -> None:
+        def progress(fraction: float = 0.0, message: str = "") -> None:
+            with self._cond:
+                if gen == self._generation:
+                    self.progress = (max(0.0, min(1.0, float(fraction or 0.0))), str(message or ""))
+
+        target, draft = split_pair(name)
+        with self.run_lock, self._cond:  # one pair in memory at a time: drop the old one once no run uses it
+            if gen == self._generation:
+                self.pair, self.loaded_name = None, None
+        # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration, no warm-up there.
+        zero_gpu = on_zero_gpu()
+        # draft_quant="auto": the draft's int8 / int4 paths where the table measures them faster (CPU only; on
+        # the 2-core machine DynaTree went from 1.47-1.52x to 1.54-1.96x AR with L-bar unchanged, README).
+        pair = load_pair(target, draft, device=device, progress=progress, calibrate=not zero_gpu,
+                         draft_quant="auto")
+        if not zero_gpu:
+            progress(1.0, "warming up (so the first measured run is not penalised)…")
+            warm_up(name, pair)
+        with self._cond:
+            if gen != self._generation:
+                return  # superseded by another pair while loading: let it go
+            self.pair, self.loaded_name, self.description = pair, name, pair.describe()
+            self.loading, self.progress = False, (1.0, "ready")
+            self._cond.notify_all()
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            return {"name": self.name, "loaded": self.loaded_name, "loading": self.loading,
+                    "progress": self.progress, "error": self.error, "description": self.description}
+
+    def ready(self, name: str, timeout: float = 0.25):
+        """The loaded pair `name`, or None if it is still loading after `timeout` s; UserError if it failed."""
+        with self._cond:
+            if not (self.loaded_name == name and self.pair is not None):
+                self._cond.wait(timeout=timeout)
+            if self.loaded_name == name and self.pair is not None:
+                return self.pair
+            if self.name != name:
+                raise UserError(f"the model pair changed to {self.name} while waiting")
+            if self.error and not self.loading:
+                raise UserError(self.error)
+            return None

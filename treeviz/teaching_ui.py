@@ -1,0 +1,199 @@
+"""The teaching sections of the page (issue 22): the Race, Step through and Sweep tabs, the acceptance-length
+histograms, the "size nodes by draft entropy" switch and the Download HTML button; each builder adds its components
+to the page namespace `ui` (treeviz/ui.py calls them inside its layout), `wire` connects them.
+
+Models are touched only by the Race and Sweep handlers (treeviz/teaching_handlers.py); everything else here reads the
+shown run's records, so a gallery trace shows it with no model loaded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import gradio as gr
+import plotly.graph_objects as go
+
+from engine.strategies import STRATEGIES
+from engine.sweep import DEFAULT_POINTS, MAX_POINTS
+from treeviz import teaching_handlers
+from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
+from treeviz.export import export_html
+from treeviz.replay import TRACE_DIR
+from treeviz.stepthrough import stepthrough_figure
+from treeviz.sweep_figure import sweep_figure
+from treeviz.tree_figure import run_frame, tree_figure
+from treeviz.views import status_html
+
+log = logging.getLogger("treeviz")
+SWEEP_DIR = TRACE_DIR / "sweeps"
+RACE_HINT = ("Pick strategies and press Race: AR and each strategy decode the prompt one after the other, unobserved "
+             "(only this status line while they run), then replay side by side at their measured pace.")
+
+
+def empty_figure(text: str, height: int = 360) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(template="plotly_white", height=height, xaxis={"visible": False}, yaxis={"visible": False},
+                      margin={"l": 10, "r": 10, "t": 30, "b": 10},
+                      annotations=[{"text": text, "showarrow": False, "font": {"size": 14, "color": "#666"}}])
+    return fig
+
+
+def default_sweep() -> tuple[dict | None, str]:
+    """The first precomputed sweep (assets/traces/sweeps/*.json, written by scripts/make_sweep.py) and a line
+    saying so; (None, a hint) when there is none or it does not read."""
+    for path in sorted(SWEEP_DIR.glob("*.json")) if SWEEP_DIR.is_dir() else []:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(data, dict) and data.get("points"):
+                return data, f"precomputed sweep ({path.stem}): press Sweep to measure one on this machine"
+        except (OSError, ValueError) as err:
+            log.info("skipping precomputed sweep %s: %s", path, err)
+    return None, "Set a range (blank: the default) and press Sweep."
+
+
+# -- layout --------------------------------------------------------------------------------------------------------
+def entropy_box(ui: SimpleNamespace) -> None:
+    """Beside the tree: node sizes from the draft's entropy at each node's parent."""
+    ui.entropy = gr.Checkbox(False, label="size nodes by draft entropy", elem_id="tv-entropy", info=ENTROPY_NOTE)
+
+
+def run_histogram(ui: SimpleNamespace) -> None:
+    """In the Charts tab: the shown run's acceptance-length histogram."""
+    ui.acceptance = gr.Plot(acceptance_histogram_figure([]), show_label=False, elem_id="tv-acceptance")
+
+
+def compare_histogram(ui: SimpleNamespace) -> None:
+    """In the Compare tab: every compared run's acceptance-length histogram, side by side."""
+    ui.compare_histogram = gr.Plot(acceptance_histogram_figure([]), show_label=False, elem_id="tv-compare-histogram")
+
+
+def race_tab(ui: SimpleNamespace) -> None:
+    with gr.Tab("Race", elem_id="tv-race-tab"):
+        methods = [s for s in STRATEGIES if s != "ar"]
+        with gr.Row(equal_height=True):
+            ui.race_strategies = gr.CheckboxGroup(methods, value=list(teaching_handlers.DEFAULT_RACE), scale=4,
+                                                  label="Strategies to race against AR (cpu preset each)",
+                                                  elem_id="tv-race-strategies")
+            ui.race_btn = gr.Button("Race", variant="primary", scale=1, elem_id="tv-race-btn")
+        ui.race_status = gr.HTML(status_html(RACE_HINT), elem_id="tv-race-status")
+        ui.race_plot = gr.Plot(empty_figure("no race yet"), show_label=False, elem_id="tv-race")
+        with gr.Accordion("Race data (what /race returns)", open=False):
+            ui.race_summary = gr.JSON(None, elem_id="tv-race-summary")
+
+
+def step_tab(ui: SimpleNamespace) -> None:
+    with gr.Tab("Step through", elem_id="tv-step-tab"):
+        gr.Markdown("The iteration the scrubber selects, step by step: the draft grows the tree, the target "
+                    "judges it node by node, the accepted path and the bonus are committed. Press play or drag.")
+        ui.step_plot = gr.Plot(empty_figure("pick a gallery trace or run a prompt"), show_label=False,
+                               elem_id="tv-step")
+
+
+def sweep_tab(ui: SimpleNamespace) -> None:
+    sweep, hint = default_sweep()
+    with gr.Tab("Sweep", elem_id="tv-sweep-tab"):
+        ui.sweep_knob = gr.Markdown(knob_text("dynatree"))
+        with gr.Row(equal_height=True):
+            ui.sweep_min = gr.Number(None, precision=0, label="size from (blank: default)", elem_id="tv-sweep-min")
+            ui.sweep_max = gr.Number(None, precision=0, label="size to (blank: default)", elem_id="tv-sweep-max")
+            ui.sweep_points = gr.Slider(2, MAX_POINTS, value=DEFAULT_POINTS, step=1, label="points",
+                                        elem_id="tv-sweep-points")
+            ui.sweep_btn = gr.Button("Sweep", variant="primary", elem_id="tv-sweep-btn")
+        ui.sweep_status = gr.HTML(status_html(hint), elem_id="tv-sweep-status")
+        ui.sweep_plot = gr.Plot(sweep_figure(sweep), show_label=False, elem_id="tv-sweep")
+        with gr.Accordion("Sweep data (what /sweep returns)", open=False):
+            ui.sweep_summary = gr.JSON(sweep, elem_id="tv-sweep-summary")
+
+
+def html_download(ui: SimpleNamespace) -> None:
+    """In the Traces tab: the race, the selected iteration step by step and the run's trees as one HTML page."""
+    with gr.Row(equal_height=True):
+        ui.html_btn = gr.Button("Download HTML (race + step-through + trees, opens offline)", elem_id="tv-html-btn")
+        ui.html_file = gr.File(label="Teaching page (.html)", interactive=False, elem_id="tv-html-file")
+
+
+def knob_text(strategy: str) -> str:
+    cls = STRATEGIES.get(strategy)
+    if cls is None or cls.auto_param is None:
+        knobs = ", ".join(n for n, c in STRATEGIES.items() if c.auto_param)
+        return f"**{strategy}** has no size knob to sweep; strategies with one: {knobs}."
+    return (f"Sweeps **{strategy}**'s size knob **{cls.auto_param}** (the selected strategy, preset and parameters), "
+            "plus AR once, on the prompt: L̄, acceptance and tokens/s against the size.")
+
+
+# -- the shown run's teaching views (no models) ----------------------------------------------------------------------
+def iteration_panels(run, index: Any, entropy: bool) -> tuple:
+    """The selected iteration step by step, the run's acceptance-length histogram, and (with the entropy switch on)
+    the tree with nodes sized by the draft's entropy; the tree is left alone otherwise."""
+    if run is None or not run.iterations:
+        return empty_figure("pick a gallery trace or run a prompt"), acceptance_histogram_figure([]), gr.skip()
+    its = run.iterations
+    it = its[max(0, min(int(index or 0), len(its) - 1))]
+    try:
+        step = stepthrough_figure(it, run)
+    except (ValueError, KeyError, StopIteration) as err:  # a hand-made trace without a root, say
+        step = empty_figure(f"iteration {it.index} cannot be stepped through: {err}")
+    histogram = acceptance_histogram_figure([(str(run.strategy), run)])
+    return step, histogram, (shown_tree(run, index, True) if entropy else gr.skip())
+
+
+def shown_tree(run, index: Any, entropy: bool) -> go.Figure:
+    """The tree view of iteration `index`, its nodes sized by draft entropy when `entropy`."""
+    if run is None or not run.iterations:
+        return tree_figure(None)
+    its = run.iterations
+    it = its[max(0, min(int(index or 0), len(its) - 1))]
+    if not entropy:
+        return tree_figure(it, frame=run_frame(its))
+    fig = tree_figure(it, frame=run_frame(its), sizes=entropy_sizes(it))
+    fig.update_layout(title_text=f"{fig.layout.title.text}<br><span style='font-size:11px'>node size: "
+                                 f"{ENTROPY_NOTE}</span>")
+    return fig
+
+
+def download_html(race_runs, run, index: Any) -> Any:
+    """export_html of the race (if any), the shown run and its selected iteration, as a file to download."""
+    iteration = None
+    if run is not None and run.iterations:
+        iteration = run.iterations[max(0, min(int(index or 0), len(run.iterations) - 1))]
+    if not race_runs and iteration is None:
+        gr.Warning("Nothing to export yet: run a race, run a prompt or pick a gallery trace first.")
+        return gr.skip()
+    directory = Path(tempfile.gettempdir()) / "treeviz-html"
+    directory.mkdir(exist_ok=True)
+    path = directory / f"treeviz-class-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns()}.html"
+    return str(export_html(path, race_runs or None, run if iteration is not None else None, iteration))
+
+
+# -- wiring ----------------------------------------------------------------------------------------------------------
+def follow(ui: SimpleNamespace, event) -> Any:
+    """After `event` shows a run or another iteration of it: the step-through, the histogram, the entropy tree."""
+    return event.then(iteration_panels, [ui.run_state, ui.scrubber, ui.entropy], [ui.step_plot, ui.acceptance, ui.tree],
+                      show_progress="hidden", queue=False, api_visibility="private")
+
+
+def wire(ui: SimpleNamespace) -> list:
+    """Race, Sweep (both on the API, with named parameters), the entropy switch and the HTML download; returns the
+    events Stop cancels. Needs ui.collect (treeviz.ui._wire_runs: the strategy's parameters into ui.params)."""
+    sampling = [ui.temperature, ui.top_p, ui.top_k, ui.seed, ui.verifier]
+    race = ui.race_btn.click(
+        teaching_handlers.race, [ui.prompt, ui.chat, ui.pair, ui.race_strategies, ui.max_new, *sampling],
+        [ui.race_runs, ui.race_plot, ui.race_status, ui.race_summary], api_name="race", concurrency_limit=None,
+        show_progress="minimal")
+    sweep = ui.sweep_btn.click(**ui.collect).then(
+        teaching_handlers.sweep, [ui.prompt, ui.chat, ui.pair, ui.strategy, ui.preset, ui.params, ui.max_new,
+                                  ui.sweep_min, ui.sweep_max, ui.sweep_points, *sampling],
+        [ui.sweep_plot, ui.sweep_status, ui.sweep_summary], api_name="sweep", concurrency_limit=None,
+        show_progress="minimal")
+    ui.entropy.input(shown_tree, [ui.run_state, ui.scrubber, ui.entropy], ui.tree, show_progress="hidden",
+                     queue=False, api_visibility="private")
+    ui.strategy.change(knob_text, ui.strategy, ui.sweep_knob, show_progress="hidden", queue=False,
+                       api_visibility="private")
+    ui.html_btn.click(download_html, [ui.race_runs, ui.run_state, ui.scrubber], ui.html_file,
+                      api_visibility="private")
+    return [race, sweep]
