@@ -1,6 +1,10 @@
 """Benchmark: every method on the same prompts in one process, AR measured in the same run, warm-up excluded.
 
-`hf-assisted` is transformers' own assisted generation (`generate(assistant_model=draft)`): the peer to beat.
+`hf-assisted` is transformers' own assisted generation (`generate(assistant_model=draft)`): the peer to beat;
+`hf-prompt-lookup` is transformers' prompt lookup decoding (`generate(prompt_lookup_num_tokens=10)`, no draft), the
+peer of the `lookup` strategy. Both run greedily only. A method names a strategy, optionally boolean switches of it
+and a preset: "dynatree+lookup@auto" is DynaTree with lookup grafted (engine/strategies/graft.py) on its auto preset,
+so "dynatree" and "dynatree+lookup" compare on the same prompts in one run.
 `ar-compiled` is AR through torch.compile (engine/compiled.py), run beside the engine's eager AR where inductor can
 build it (`compiled_ar="auto"`). Throughput per method and prompt set = new tokens / wall time summed over prompts and
 repeats; speedup divides by the faster AR's throughput on the same prompts (every AR is decoded on each prompt right
@@ -16,16 +20,20 @@ from typing import Any, Callable
 import torch
 
 from engine.compiled import CompiledAR, compile_available
-from engine.metrics import DRIFT_TOLERANCE, compare_outputs, cost_drift, drift_off
+from engine.metrics import DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off
 from engine.models import ModelPair
 from engine.prompts import encode_prompt, load_prompt_set
 from engine.runtime import synchronize
 from engine.sampling import Sampling
+from engine.peers import hf_prompt_lookup
 from engine.session import RunSpec, generate
+from engine.strategies import STRATEGIES, StrategyError
 from engine.trace import RunResult
 from engine.verify import Verifier
 
 HF_ASSISTED = "hf-assisted"
+HF_PROMPT_LOOKUP = "hf-prompt-lookup"
+PEERS = (HF_ASSISTED, HF_PROMPT_LOOKUP)  # transformers' own generate loops: greedy only
 AR_COMPILED = "ar-compiled"
 AR_METHODS = ("ar", AR_COMPILED)
 COMPILED_AR_MODES = ("auto", "on", "off")
@@ -48,9 +56,25 @@ def hf_assisted(pair: ModelPair, prompt, max_new_tokens: int, stop_on_eos: bool 
 
 
 def split_method(method: str, preset: str = "cpu") -> tuple[str, str]:
-    """"dynatree@auto" -> ("dynatree", "auto"): one bench run may compare presets of a strategy, interleaved."""
+    """"dynatree+lookup@auto" -> ("dynatree", "auto"): one bench run may compare presets and switches of a strategy,
+    interleaved."""
     name, _, own = method.partition("@")
-    return name, own or preset
+    return name.split("+")[0], own or preset
+
+
+def method_switches(method: str) -> dict[str, bool]:
+    """"dynatree+lookup@auto" -> {"lookup": True}: the strategy's boolean parameters this method turns on. A switch
+    the strategy does not take as a boolean parameter raises StrategyError."""
+    name, *switches = method.partition("@")[0].split("+")
+    if name not in STRATEGIES:
+        return {}
+    kinds = {p.name: p.kind for p in STRATEGIES[name].params}
+    for switch in switches:
+        if kinds.get(switch) is not bool:
+            flags = sorted(k for k, kind in kinds.items() if kind is bool)
+            raise StrategyError(f"method {method!r}: {name} has no switch {switch!r}; its switches: "
+                                f"{', '.join(flags) or 'none'}")
+    return {switch: True for switch in switches}
 
 
 def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset: str = "cpu",
@@ -64,13 +88,16 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
             raise ValueError("ar-compiled needs the bench's CompiledAR (bench(..., compiled_ar='on'))")
         return compiled.generate(encode_prompt(pair.tokenizer, prompt), max_new_tokens, sampling,
                                  tuple(pair.eos_token_ids))
-    if method == HF_ASSISTED:
+    if method in PEERS:
         if not sampling.greedy:
-            raise ValueError("the hf-assisted baseline is benchmarked greedily only; drop it or use --temperature 0")
+            raise ValueError(f"the {method} baseline is benchmarked greedily only; drop it or use --temperature 0")
+        if method == HF_PROMPT_LOOKUP:
+            return hf_prompt_lookup(pair, prompt, max_new_tokens)
         return hf_assisted(pair, prompt, max_new_tokens)
     name, preset = split_method(method, preset)
     spec = RunSpec(pair=pair.target_name, prompt=prompt, strategy=name, preset=preset,
-                   params=(params or {}).get(name, {}), max_new_tokens=max_new_tokens, **sampling.as_dict(),
+                   params={**(params or {}).get(name, {}), **method_switches(method)}, max_new_tokens=max_new_tokens,
+                   **sampling.as_dict(),
                    verifier=verifier if isinstance(verifier, str) and verifier else "auto")
     result = generate(pair, spec, verifier if isinstance(verifier, Verifier) else None)
     return {"output_ids": result.output_ids, "new_tokens": len(result.output_ids),
@@ -108,7 +135,7 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
                     out["exact"] = out["output_ids"] == reference
                     per_method[method].append(out)
                 exact = f"  exact={out['exact']}" if sampling.greedy else ""
-                log(f"  {set_name:5s} {entry['name'][:28]:28s} {method:14s} "
+                log(f"  {set_name:5s} {entry['name'][:28]:28s} {method:16s} "
                     f"{out['new_tokens'] / out['total_s']:6.2f} tok/s{exact}")
         baseline = max((m for m in methods if m in AR_METHODS), key=lambda m: throughput(per_method[m]))
         ar_tps = throughput(per_method[baseline])
@@ -192,12 +219,13 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
             "stage_s": {s: sum(r.metrics["stage_s"][s] for r in results) / len(results)
                         for s in results[0].metrics["stage_s"]},
             "cost_drift": cost_drift(iters),
+            "acceptance_by_source": acceptance_by_source(iters),
         })
     return row
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = (f"{'set':6s} {'method':14s} {'tok/s':>7s} {'speedup':>8s} {'AR GB/s':>8s} {'L̄':>6s} {'ℓ̄':>6s} "
+    head = (f"{'set':6s} {'method':16s} {'tok/s':>7s} {'speedup':>8s} {'AR GB/s':>8s} {'L̄':>6s} {'ℓ̄':>6s} "
             f"{'accept':>7s} {'#iter':>6s} {'TTFT s':>7s} {'TPOT s':>7s} {'exact':>6s}")
     lines = [head, "-" * len(head)]
 
@@ -206,7 +234,7 @@ def format_table(report: dict[str, Any]) -> str:
 
     for r in report["rows"]:
         lines.append(
-            f"{r['prompt_set']:6s} {r['method']:14s} {r['tokens_per_s']:7.2f} {r['speedup']:7.2f}× "
+            f"{r['prompt_set']:6s} {r['method']:16s} {r['tokens_per_s']:7.2f} {r['speedup']:7.2f}× "
             f"{fmt(r.get('ar_gbps'), '8.1f')} {fmt(r.get('mean_tokens_per_iter'), '6.2f')} {fmt(r.get('mean_accepted_len'), '6.2f')} "
             f"{fmt(r.get('acceptance_rate'), '7.2f')} {fmt(r.get('iterations'), '6.1f')} "
             f"{fmt(r.get('ttft_s'), '7.3f')} {fmt(r.get('tpot_s'), '7.3f')} {fmt(r['exact_match_rate'], '6.2f')}")

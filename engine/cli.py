@@ -17,7 +17,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", help="shorthand for both models: default | tiny-random | tiny-random-unrelated | "
                                   "tiny-random-identical")
     p.add_argument("--target", help="default | tiny-random | hub id | local directory | .gguf path")
-    p.add_argument("--draft", help="as --target (default: the pair's draft)")
+    p.add_argument("--draft", help="as --target (default: the pair's draft); none: the target alone (ar, lookup, "
+                                   "hf-prompt-lookup)")
     p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (default auto)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
@@ -161,7 +162,8 @@ def _run_spec(args) -> RunSpec:
                    strategy=args.strategy, preset=_preset(args, [args.strategy]),
                    params=_strategy_params(args, args.strategy), max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                   verifier=args.verifier or "auto", stop_on_eos=not args.no_eos, stop_strings=tuple(args.stop or ()))
+                   verifier=args.verifier or "auto", stop_on_eos=not args.no_eos, stop_strings=tuple(args.stop or ()),
+                   steps=args.steps, cuda_graphs=args.cuda_graphs)
     check_spec(spec)
     return spec
 
@@ -225,14 +227,15 @@ def _summary(result) -> str:
 
 
 def cmd_bench(args) -> int:
-    from engine.bench import AR_COMPILED, HF_ASSISTED, bench, format_table, split_method
+    from engine.bench import AR_COMPILED, PEERS, bench, format_table, method_switches, split_method
     methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
-    preset = _preset(args, [m.partition("@")[0] for m in methods])
+    preset = _preset(args, [split_method(m)[0] for m in methods])
     names = {m: split_method(m, preset) for m in methods}
     for m, (name, preset) in names.items():
-        if m not in (HF_ASSISTED, AR_COMPILED) and name not in STRATEGIES:
-            raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, hf-assisted, "
-                                f"ar-compiled (a strategy may name its preset: dynatree@auto)")
+        if m not in (*PEERS, AR_COMPILED) and name not in STRATEGIES:
+            raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, {', '.join(PEERS)}, "
+                                f"ar-compiled (a strategy may name switches and its preset: dynatree+lookup@auto)")
+        method_switches(m)
         if name in STRATEGIES and preset not in STRATEGIES[name].preset_names():
             raise StrategyError(f"{name} has no preset {preset!r}; choose from {STRATEGIES[name].preset_names()}")
     params = {name: _strategy_params(args, name, strict=False) for name, _ in names.values() if name in STRATEGIES}
@@ -274,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run AR on the prompt: speedup and exact match. Both are warmed up first, then run "
                         "interleaved (AR, method, ...) --compare-repeats times; the fastest run of each is compared")
     g.add_argument("--compare-repeats", type=int, default=1, help="runs of each with --compare-ar (default 1)")
+    g.add_argument("--steps", default="auto", choices=("auto", "static", "dynamic"),
+                   help="model forwards on a growing cache (dynamic) or a preallocated one with row-count buckets "
+                        "(static); auto: static exactly when CUDA graphs are on (default auto)")
+    g.add_argument("--cuda-graphs", default="off", choices=("auto", "on", "off"),
+                   help="replay one captured CUDA graph per row-count bucket; auto: on for a CUDA device. Default "
+                        "off until a GPU run validates the captured path (docs/gpu.md)")
     g.add_argument("--json", help="write the run (metrics + per-iteration records) to this file")
     g.add_argument("-v", "--verbose", action="store_true", help="print one line per iteration")
     _add_sampling_args(g)
@@ -283,12 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="all methods on a prompt set, AR in the same process, paper-style table")
     _add_model_args(b)
     b.add_argument("--strategies", default="ar,linear,fixed,dynatree,hf-assisted",
-                   help="comma list of strategies and/or hf-assisted; strategy@preset picks one strategy's "
-                        "preset (e.g. dynatree,dynatree@auto compares them on the same prompts)")
+                   help="comma list of strategies and/or hf-assisted, hf-prompt-lookup (transformers' peers, "
+                        "greedy only); strategy@preset picks one strategy's preset and strategy+switch turns a "
+                        "boolean parameter on for that method alone (e.g. dynatree,dynatree@auto,dynatree+lookup "
+                        "compares them on the same prompts)")
     b.add_argument("--compiled-ar", default="auto", choices=("auto", "on", "off"),
                    help="also run AR through torch.compile (ar-compiled) and divide speedups by the faster AR; "
                         "auto: where inductor can build it (CPU with a C++ compiler); compiling takes ~1 min once")
-    b.add_argument("--prompt-set", default="all", help="code | chat | prose | all")
+    b.add_argument("--prompt-set", default="all",
+                   help="code | chat | prose | all (the three) | grounded (answers found in the prompt: lookup's)")
     b.add_argument("--max-new-tokens", type=int, default=96)
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")

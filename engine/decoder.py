@@ -75,6 +75,7 @@ class RunState:
     records: list[IterationRecord] = field(default_factory=list)
     sources: list[dict[str, Any]] = field(default_factory=list)  # per output token: iteration, kind, margin, text
     stop_reason: str = ""               # set when decoding must stop ("eos", "max_new_tokens", "stop_string")
+    width: int | None = None            # the width of the target's logits rows (set by the prefill)
 
     @property
     def target_cache(self):
@@ -134,9 +135,10 @@ class Decoder:
     (`start`, `prefill`, `step`, `result`) are what a DecodeRun drives; they keep no state of their own."""
 
     def __init__(self, pair: "ModelPair", strategy: Strategy, verifier: Verifier | None = None,
-                 sampling: Sampling | None = None, steps: str = "auto", cuda_graphs: str = "auto"):
-        """steps "auto" | "static" | "dynamic", cuda_graphs "auto" | "on" | "off": engine/steps.py (auto: static
-        steps with CUDA graphs on a CUDA device, the dynamic path elsewhere)."""
+                 sampling: Sampling | None = None, steps: str = "auto", cuda_graphs: str = "off"):
+        """steps "auto" | "static" | "dynamic", cuda_graphs "auto" | "on" | "off": engine/steps.py. steps "auto" is
+        static exactly when graphs are on; graphs "auto" is on for a CUDA device. Graphs default to "off" until a
+        GPU run has validated the captured path (docs/gpu.md)."""
         if strategy.uses_draft and pair.draft is None:
             raise ValueError(f"strategy {strategy.name!r} needs a draft model, and this pair has none")
         self.pair, self.strategy = pair, strategy
@@ -212,6 +214,7 @@ class Decoder:
         synchronize(device)
         state.started = time.perf_counter()
         logits = state.target.prefill(state.prompt_ids)
+        state.width = int(logits.shape[-1])
         verdict = self.verifier.verify(DraftTree(root_token=-1), logits, self.sampling, state.generator)
         if state.taps is not None:
             state.taps.after_target(logits, -1)
@@ -262,9 +265,11 @@ class Decoder:
         t0 = time.perf_counter()
         root_pos = len(committed) - 1
         tree = DraftTree(root_token=committed[-1])
+        if strategy.uses_context:  # context lookup: the committed stream, and the width of the target's rows
+            strategy.see_context(committed, vocab_size=state.width, device=pair.device)
         if drafter is not None:
             drafter.begin(tree, committed)
-            strategy.build(drafter, tree)
+        strategy.build(drafter, tree)  # drafter None: a strategy without a draft (AR's build adds nothing)
         params = strategy.current_params()  # after build: a selector may have chosen this tree's shape in it
         synchronize(pair.device)
         t1 = time.perf_counter()
@@ -289,7 +294,7 @@ class Decoder:
                         "other": t4 - t3, "total": t4 - t0}
         if pair.costs is not None:
             record.cost = iteration_cost(pair.costs, drafter.row_counts if drafter is not None else [], len(tree),
-                                         record.times)
+                                         record.times, context=root_pos)
         return record, logits
 
     def _verify(self, state: RunState, tree: DraftTree, root_pos: int):

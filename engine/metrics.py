@@ -6,6 +6,10 @@ and ARCHITECTURE.md link to this docstring; the app, the bench and the command l
   iteration.
 - **ℓ̄** (`mean_accepted_len`): accepted draft-path length per iteration, bonus excluded (L̄ = ℓ̄ + 1).
 - **acceptance** (`acceptance_rate`): accepted draft tokens / drafted nodes, over the run.
+- **acceptance by source** (`acceptance_by_source[s]`): for the drafted nodes that source s proposed ("model": the
+  draft; "lookup": context lookup, engine/lookup.py; "both": a lookup continuation through a model node), accepted
+  nodes / drafted nodes over the run, with both counts (`{"drafted", "accepted", "rate"}`); only sources that drafted
+  something appear (a run without lookup has "model" alone).
 - **per-depth acceptance** (`per_depth_acceptance[d - 1]`): the fraction of iterations whose accepted length is >= d.
 - `mean_drafted`, `mean_draft_forwards`: drafted nodes and draft forwards per iteration.
 - **TTFT** (`ttft_s`): prefill + the first new token.
@@ -53,12 +57,27 @@ def run_metrics(iterations: list[IterationRecord], new_tokens: int, total_s: flo
         # l-bar: accepted draft-path length, bonus excluded.
         "mean_accepted_len": sum(accepted) / n if n else None,
         "acceptance_rate": sum(accepted) / drafted if drafted else None,
+        "acceptance_by_source": acceptance_by_source(iterations),
         "per_depth_acceptance": [sum(a >= d for a in accepted) / n for d in range(1, max_len + 1)] if n else [],
         "mean_drafted": drafted / n if n else None,
         "mean_draft_forwards": sum(it.draft_forwards for it in iterations) / n if n else None,
         "stage_s": {s: sum(it.times.get(s, 0.0) for it in iterations) for s in STAGES},
         "cost_drift": cost_drift(iterations),
     }
+
+
+SOURCES = ("model", "lookup", "both")
+
+
+def acceptance_by_source(iterations: list[IterationRecord]) -> dict[str, dict[str, Any]]:
+    """Accepted / drafted nodes per proposing source (the docstring's definition); sources with no node left out."""
+    counts = {s: [0, 0] for s in SOURCES}
+    for it in iterations:
+        for node in it.nodes:
+            if node.source in counts:
+                counts[node.source][0] += 1
+                counts[node.source][1] += node.status == ACCEPTED
+    return {s: {"drafted": d, "accepted": a, "rate": a / d} for s, (d, a) in counts.items() if d}
 
 
 def cost_ratios(costs: list[IterationCost]) -> dict[str, float]:

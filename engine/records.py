@@ -36,7 +36,7 @@ def iteration_record(tokenizer, sampling: Sampling, index: int, root_pos: int, t
         id=len(tree), parent=last, token=verdict.bonus, text=tokenizer.decode([verdict.bonus]),
         depth=tree.depths[last] + 1, q=bonus_q, rank=None,
         path_q=tree.path_q[last] * bonus_q if bonus_q is not None else None,
-        p=float(probs[row_of[last], verdict.bonus]), status=BONUS, resampled=verdict.resampled))
+        p=float(probs[row_of[last], verdict.bonus]), status=BONUS, resampled=verdict.resampled, source="target"))
     return IterationRecord(
         index=index, position=root_pos, nodes=nodes, accepted_path=path, bonus_token=verdict.bonus,
         bonus_text=tokenizer.decode([verdict.bonus]), new_tokens=list(new), drafted=tree.num_drafted,
@@ -65,7 +65,7 @@ def _tree_nodes(tokenizer, tree: DraftTree, verdict: Verdict, probs: torch.Tenso
             q=tree.q[i] if i else None, rank=tree.ranks[i] if i else None, path_q=tree.path_q[i],
             p=float(probs[row_of[parent], token]) if i else None, status=status,
             accept_prob=verdict.accept_prob.get(i), draws=tree.multiplicity(i) if i else 1,
-            next_p=next_p[row_of[i]] if i in row_of else [], next_q=next_q.get(i, [])))
+            next_p=next_p[row_of[i]] if i in row_of else [], next_q=next_q.get(i, []), source=tree.source[i]))
     return nodes
 
 
@@ -94,9 +94,11 @@ def margins(logits: torch.Tensor) -> list[float]:
     return (top[:, 0] - top[:, 1]).tolist()
 
 
-def iteration_cost(costs: PairCosts, draft_rows: list[int], verify_rows: int, times: dict[str, float]) -> IterationCost:
-    """Predicted (from the measured cost table `costs`) beside measured seconds of an iteration's draft and verify."""
-    predicted = costs.predict(draft_rows, verify_rows)
+def iteration_cost(costs: PairCosts, draft_rows: list[int], verify_rows: int, times: dict[str, float],
+                   context: int | None = None) -> IterationCost:
+    """Predicted (from the measured cost table `costs`, at `context` committed tokens) beside measured seconds of an
+    iteration's draft and verify."""
+    predicted = costs.predict(draft_rows, verify_rows, context=context)
     return IterationCost(
         draft_rows=list(draft_rows), verify_rows=verify_rows, predicted_draft_s=predicted["draft_s"],
         predicted_verify_s=predicted["verify_s"], predicted_s=predicted["total_s"],

@@ -36,6 +36,11 @@ class RunSpec:
     verifier: str = "auto"             # a rule's name, or "auto": the strategy's default rule
     stop_on_eos: bool = True
     stop_strings: tuple[str, ...] = ()
+    # How model forwards run (engine/steps.py): "dynamic" (today's growing cache), "static" (a preallocated cache,
+    # row-count buckets) or "auto" (static exactly when CUDA graphs are on). Graphs stay "off" by default until a
+    # GPU run has validated them (docs/gpu.md); "auto" turns them on for a CUDA device.
+    steps: str = "auto"
+    cuda_graphs: str = "off"
 
     def prompt_key(self) -> str:
         return json.dumps(self.prompt, sort_keys=True, ensure_ascii=False)
@@ -79,7 +84,8 @@ def make_decoder(pair, spec: RunSpec, verifier: Verifier | None = None) -> Decod
     """`verifier` overrides the spec's rule with an instance (scripts wrap rules to record what they accept)."""
     strategy = make_strategy(spec.strategy, spec.preset, **spec.params)
     rule = verifier if verifier is not None and spec.strategy != AR else make_rule(spec)
-    return Decoder(pair, strategy, verifier=rule, sampling=spec.sampling())
+    return Decoder(pair, strategy, verifier=rule, sampling=spec.sampling(), steps=spec.steps,
+                   cuda_graphs=spec.cuda_graphs)
 
 
 def start_run(pair, spec: RunSpec, verifier: Verifier | None = None) -> DecodeRun:

@@ -321,7 +321,7 @@ def wants_static(kind: str, cuda_graphs: str, device: torch.device) -> bool:
     if kind not in ("auto", "static", "dynamic"):
         raise ValueError(f"steps kind must be auto, static or dynamic, not {kind!r}")
     if kind == "dynamic" and cuda_graphs == "on":
-        raise StepsError("CUDA graphs need static steps (fixed shapes); use --static-steps or --cuda-graphs auto")
+        raise StepsError("CUDA graphs need static steps (fixed shapes); use --steps static (or auto) with --cuda-graphs on")
     graphs = use_graphs(cuda_graphs, device)
     return kind == "static" or (kind == "auto" and graphs)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 # 2: NodeRecord.next_p / next_q (top-k next-token distributions per expanded node); 3: IterationRecord.cost (was
-# extra["cost"], converted on load)
-SCHEMA_VERSION = 3
-READABLE = (1, 2, 3)
+# extra["cost"], converted on load); 4: NodeRecord.source (older traces: "model", the root "root")
+SCHEMA_VERSION = 4
+READABLE = (1, 2, 3, 4)
 TOP_K = 10  # entries in NodeRecord.next_p / next_q
 
 # Node outcomes. "rejected": a child of an accepted node that the target did not pick; "unreached": below a
@@ -44,6 +44,9 @@ class NodeRecord:
     # expanded it. Empty elsewhere (and in traces older than schema 2).
     next_p: list[list] = field(default_factory=list)
     next_q: list[list] = field(default_factory=list)
+    # Who proposed the node: "model" (the draft), "lookup" (context lookup, engine/lookup.py), "both" (a lookup
+    # continuation through a model node), "root"; the bonus pseudo-node: "target".
+    source: str = "model"
 
 
 # NodeRecord fields with defaults: a compact trace leaves them out where they hold the default
@@ -135,6 +138,9 @@ def run_from_dict(data: dict[str, Any]) -> RunResult:
         iterations = []
         for it in fields.pop("iterations"):
             nodes = [NodeRecord(**n) for n in it.pop("nodes")]
+            if version < 4:  # no sources recorded: every drafted node came from the model
+                for node in nodes:
+                    node.source = ROOT if node.parent < 0 else "target" if node.status == BONUS else "model"
             cost = it.pop("cost", None) if version >= 3 else it.get("extra", {}).pop("cost", None)
             cost = IterationCost(**cost) if cost is not None else None
             iterations.append(IterationRecord(nodes=nodes, cost=cost, **it))

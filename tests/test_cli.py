@@ -21,7 +21,7 @@ def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
         assert key in data["metrics"], key
     assert data["exact_match"] is True
     assert data["iterations"] and data["iterations"][0]["nodes"][0]["status"] == "root"
-    assert data["schema_version"] == 3
+    assert data["schema_version"] == 4
 
 
 def test_compare_ar_warms_up_and_interleaves(monkeypatch, capsys):
@@ -195,3 +195,48 @@ def test_compile_probe_refuses_variants_that_would_share_a_graph():
     proc = subprocess.run([sys.executable, "-m", "scripts.compile_probe", "--pair", "tiny-random",
                            "--variants", "shipped:384,sdpa:384"], capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode != 0 and "its own cache length" in proc.stderr
+
+
+def test_lookup_runs_on_the_target_alone(tmp_path, capsys):
+    """--draft none loads the target alone: lookup runs (exactly AR's tokens, its nodes marked "lookup"), a strategy
+    that needs a draft is refused."""
+    out = tmp_path / "run.json"
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
+    code = main(["generate", "--pair", "tiny-random", "--draft", "none", "--dtype", "fp32", "--strategy", "lookup",
+                 "--min-match", "1", "--prompt", prompt, "--max-new-tokens", "16", "--no-eos", "--compare-ar",
+                 "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["exact_match"] is True and data["config"]["draft"] is None
+    sources = {n["source"] for it in data["iterations"] for n in it["nodes"]}
+    assert "lookup" in sources and "model" not in sources
+    assert set(data["metrics"]["acceptance_by_source"]) == {"lookup"}
+    assert main(["generate", "--pair", "tiny-random", "--draft", "none", "--strategy", "dynatree", "--prompt",
+                 "x"]) != 0
+    assert "needs a draft model" in capsys.readouterr().err
+
+
+def test_bench_grounded_set_with_lookup_peers_and_a_grafted_method(tmp_path, capsys):
+    """lookup, hf-prompt-lookup and dynatree beside dynatree+lookup (the graft switched on for that method alone) on
+    the grounded prompts, all exactly AR's tokens in fp32; an unknown switch is refused before loading."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--compiled-ar", "off", "--strategies",
+                 "ar,lookup,hf-prompt-lookup,dynatree,dynatree+lookup", "--prompt-set", "grounded", "--limit", "1",
+                 "--max-new-tokens", "12", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = {r["method"]: r for r in report["rows"]}
+    assert list(rows) == ["ar", "lookup", "hf-prompt-lookup", "dynatree", "dynatree+lookup"]
+    assert all(r["exact_match_rate"] == 1.0 and r["prompt_set"] == "grounded" for r in rows.values())
+    assert set(rows["dynatree"]["acceptance_by_source"]) == {"model"}
+    assert set(rows["lookup"]["acceptance_by_source"]) <= {"lookup"}  # no model nodes (none at all on a short run)
+    assert "hf-prompt-lookup" in capsys.readouterr().out
+    assert main(["bench", "--pair", "tiny-random", "--strategies", "ar,dynatree+lokup"]) != 0
+    assert "dynatree has no switch 'lokup'" in capsys.readouterr().err
+
+
+def test_bench_help_lists_the_grounded_set_and_the_lookup_peer(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "grounded" in text and "hf-prompt-lookup" in text and "dynatree+lookup" in text

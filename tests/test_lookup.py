@@ -241,12 +241,34 @@ def mixed(model: ToyModel, k: int, sampled_below: int = 0):
     return build
 
 
+def grafted(model: ToyModel, k: int, continuations: int = 2, room: int = 6):
+    """The draft model's top-k children of the root, the best of them expanded with every child pruned (DynaTree's
+    tau: a model distribution, no children), with lookup grafted by the real switch (engine/strategies/graft.py):
+    continuations under the root (through the model's nodes), then below the model's best leaf."""
+    def build(rng):
+        tree = DraftTree(root_token=R)
+        q = model.q(())
+        tree.child_dist[0], tree.child_mode[0] = q, "topk"
+        for t in [t for t in torch.argsort(q, descending=True, stable=True).tolist() if q[t] > 0][:k]:
+            tree.add(0, t, float(q[t]))
+        best = tree.children[0][0]
+        tree.child_dist[best], tree.child_mode[best] = model.q((tree.tokens[best],)), "topk"
+        strategy = make_strategy("dynatree", lookup=True, lookup_min_match=1, lookup_continuations=continuations)
+        strategy.see_context(CONTEXT, vocab_size=WIDTH)
+        strategy.graft(tree, room=room)
+        return tree
+    return build
+
+
 SHAPES = [  # (id, builder factory, vocabulary, emitted tokens compared, rules expected to accept)
     ("lookup-chain", lambda m: lookup_only(1, 3), 3, 4, CHAIN_RULES - {"greedy"}),
     ("lookup-trie", lambda m: lookup_only(4, 2), 3, 3, TREE_RULES - {"greedy"}),
     ("mixed-top1", lambda m: mixed(m, 1), 3, 3, TREE_RULES - {"greedy"}),
     ("mixed-top2", lambda m: mixed(m, 2), 3, 3, TREE_RULES - {"greedy"}),
     ("mixed-iid-below", lambda m: mixed(m, 1, sampled_below=2), 3, 4, TREE_RULES - {"greedy"}),
+    ("grafted-top1", lambda m: grafted(m, 1), 3, 4, TREE_RULES - {"greedy"}),
+    ("grafted-top2", lambda m: grafted(m, 2), 3, 3, TREE_RULES - {"greedy"}),
+    ("grafted-leaf", lambda m: grafted(m, 2, continuations=1, room=9), 3, 4, TREE_RULES - {"greedy"}),
 ]
 
 
@@ -296,23 +318,13 @@ def test_harness_catches_a_lookup_child_mislabelled_as_a_draw_from_q():
     assert max_error(law, model.joint(1)) > 1e-3
 
 
-# -- end to end (greedy), once the decoder feeds the context ------------------------------------------------------
+# -- end to end: the decoder feeds the context -------------------------------------------------------------------
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
-
-
-def decoder_calls_see_context(pair) -> bool:
-    strategy, calls = make_strategy("lookup"), []
-    original = strategy.see_context
-    strategy.see_context = lambda tokens, *a, **k: (calls.append(list(tokens)), original(tokens, *a, **k))
-    Decoder(pair, strategy).generate("a b a b", max_new_tokens=3, stop_on_eos=False)
-    return bool(calls)
 
 
 @pytest.mark.parametrize("kind", [None, "related"])
 def test_lookup_decodes_exactly_like_ar(kind):
     pair = tiny_random_pair(kind, seed=0, dtype=torch.float32)
-    if not decoder_calls_see_context(pair):
-        pytest.skip("engine/decoder.py does not call strategy.see_context yet (the lead wires uses_context)")
     reference = Decoder(pair, make_strategy("ar")).generate(PROMPT, max_new_tokens=60, stop_on_eos=False)
     for preset in ("cpu", "paper"):
         result = Decoder(pair, make_strategy("lookup", preset)).generate(PROMPT, max_new_tokens=60,
@@ -337,3 +349,81 @@ def test_grounded_prompts_load_by_name_outside_all():
     assert len(entries) == 8 and {e["kind"] for e in entries} == {"grounded"}
     assert len({e["name"] for e in entries}) == 8 and all(isinstance(e["prompt"], str) for e in entries)
     assert "grounded" not in PROMPT_SETS and len(load_prompt_set("all")) == 24
+
+
+# -- lookup grafted onto the model strategies ----------------------------------------------------------------------
+GRAFTED = ["dynatree", "dyspec", "ddtree"]
+
+
+@pytest.mark.parametrize("name", GRAFTED)
+def test_grafted_strategy_decodes_exactly_like_ar_within_the_budget(name):
+    pair = tiny_random_pair("related", seed=0, dtype=torch.float32)
+    reference = Decoder(pair, make_strategy("ar")).generate(PROMPT, max_new_tokens=40, stop_on_eos=False)
+    strategy = make_strategy(name, lookup=True, lookup_budget=4, lookup_min_match=1)
+    assert strategy.uses_context and strategy.child_modes_used == ("topk",)
+    assert not make_strategy(name).uses_context  # off by default
+    result = Decoder(pair, strategy).generate(PROMPT, max_new_tokens=40, stop_on_eos=False)
+    assert result.output_ids == reference.output_ids
+    budget = strategy.config["budget"]
+    model_budget = budget - min(4, budget // 2)  # the lookup reservation comes out of the budget
+    for it in result.iterations:
+        assert it.drafted <= budget
+        assert sum(n.source in ("model", "both") for n in it.nodes) <= model_budget
+    sources = {node.source for it in result.iterations for node in it.nodes if node.status != "bonus"}
+    assert {"root", "model"} <= sources and sources & {"lookup", "both"}
+    by_source = result.metrics["acceptance_by_source"]
+    assert sum(s["drafted"] for s in by_source.values()) == sum(it.drafted for it in result.iterations)
+
+
+@pytest.mark.parametrize("name", GRAFTED)
+def test_grafted_strategy_samples_with_its_default_rule(name):
+    pair = tiny_random_pair("related", seed=0, dtype=torch.float32)
+    strategy = make_strategy(name, lookup=True, lookup_min_match=1)
+    decoder = Decoder(pair, strategy, sampling=Sampling(temperature=0.8, seed=0))
+    assert decoder.verifier.name in TREE_RULES
+    first = decoder.generate(PROMPT, max_new_tokens=16, stop_on_eos=False)
+    again = Decoder(pair, make_strategy(name, lookup=True, lookup_min_match=1),
+                    sampling=Sampling(temperature=0.8, seed=0)).generate(PROMPT, max_new_tokens=16, stop_on_eos=False)
+    assert len(first.output_ids) == 16 and first.output_ids == again.output_ids  # seeded: reproducible
+    for rule in ("spectr", "khisti"):  # i.i.d. rules refuse the grafted (deterministic) children
+        with pytest.raises(VerificationError):
+            Decoder(pair, make_strategy(name, lookup=True), make_verifier(rule), Sampling(temperature=0.8))
+
+
+def test_graft_attaches_under_the_root_and_below_the_best_leaf():
+    strategy = make_strategy("dynatree", lookup=True, lookup_min_match=1, lookup_continuations=1)
+    strategy.see_context(STREAM, vocab_size=10)
+    tree = DraftTree(root_token=9)
+    tree.child_dist[0], tree.child_mode[0] = torch.full((10,), 0.1), "topk"
+    one, three = tree.add(0, 1, 0.6), tree.add(0, 3, 0.3)
+    added = strategy.graft(tree, room=20)
+    # under the root: the latest continuation of "9" (7 8 9); below the best leaf "1": that of "9 1" (5 6 9 7 8 9)
+    assert paths(tree) == {(1,), (3,), (7,), (7, 8), (7, 8, 9), (1, 5), (1, 5, 6), (1, 5, 6, 9), (1, 5, 6, 9, 7),
+                           (1, 5, 6, 9, 7, 8), (1, 5, 6, 9, 7, 8, 9)}
+    assert len(added) == 9 and all(tree.source[v] == "lookup" for v in added)
+    assert tree.source[one] == tree.source[three] == "model" and tree.child_mode[one] == "topk"
+    assert tree.extra["lookup_match"] == 1 and tree.extra["lookup_match_leaf"] == 2
+    small = DraftTree(root_token=9)
+    assert len(strategy.graft(small, room=2)) == 2  # the room is a hard cap
+    assert strategy.graft(DraftTree(root_token=9), room=0) == []
+
+
+def test_sources_survive_a_trace_round_trip_and_older_traces_read_as_model():
+    from engine.trace import SCHEMA_VERSION, run_from_dict
+    pair = tiny_random_pair(None, seed=0, dtype=torch.float32)
+    result = Decoder(pair, make_strategy("lookup", min_match=1)).generate(PROMPT, max_new_tokens=12,
+                                                                           stop_on_eos=False)
+    sources = [[n.source for n in it.nodes] for it in result.iterations]
+    assert any("lookup" in s for s in sources) and all(s[0] == "root" and s[-1] == "target" for s in sources)
+    for compact in (False, True):
+        back = run_from_dict(result.to_dict(compact=compact))
+        assert [[n.source for n in it.nodes] for it in back.iterations] == sources
+    old = result.to_dict()
+    old["schema_version"] = 3
+    for it in old["iterations"]:
+        for node in it["nodes"]:
+            del node["source"]
+    back = run_from_dict(old)
+    assert SCHEMA_VERSION == 4
+    assert all(s == ["root"] + ["model"] * (len(s) - 2) + ["target"]
+               for s in ([n.source for n in it.nodes] for it in back.iterations))

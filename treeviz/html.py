@@ -170,7 +170,20 @@ def metrics_html(run: RunResult | None, ar_run: RunResult | None = None) -> str:
     cells = [("run", str(run.strategy)), ("tokens/s", f(row["tokens/s"], ".1f")), ("speedup vs AR", speedup),
              ("L̄", f(row["L̄"])), ("ℓ̄", f(row["ℓ̄"])), ("acceptance", f(row["acceptance"])),
              ("iterations", f(row["#iterations"])), ("new tokens", f(row["new tokens"]))]
+    cells += source_cells(run.metrics.get("acceptance_by_source") or {})
     body = "".join(f"<div style='display:inline-block;margin:0 14px 4px 0'><div style='font-size:11px;"
                    f"color:#6b7280'>{html.escape(k)}</div><div style='font-size:16px;font-weight:600'>"
                    f"{html.escape(v)}</div></div>" for k, v in cells)
     return f"<div class='tv-metrics'>{body}</div>"
+
+
+SOURCE_NAMES = {"model": "draft", "lookup": "lookup", "both": "draft + lookup"}
+
+
+def source_cells(by_source: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+    """Acceptance per proposing source (engine/metrics.py), as (label, "rate (accepted/drafted)") cells: only when the
+    run has lookup nodes (a draft-only run's single source repeats the acceptance cell)."""
+    if not set(by_source) & {"lookup", "both"}:
+        return []
+    return [(f"acceptance · {SOURCE_NAMES.get(name, name)}", f"{s['rate']:.2f} ({s['accepted']}/{s['drafted']})")
+            for name, s in by_source.items()]

@@ -88,6 +88,11 @@ def reason(node: NodeRecord, parent: NodeRecord | None, greedy: bool, rule: str 
             "from")
 
 
+# NodeRecord.source -> where the node came from, for the inspector
+SOURCES = {"root": "committed (the last token)", "model": "the draft model", "lookup": "context lookup",
+           "both": "the draft model and context lookup", "target": "the target (its own next token)"}
+
+
 def _row(label: str, value: str) -> str:
     return (f"<div style='display:inline-block;margin:0 14px 4px 0'><div style='font-size:11px;color:#6b7280'>"
             f"{html.escape(label)}</div><div style='font-size:15px;font-weight:600'>{value}</div></div>")
@@ -105,7 +110,7 @@ def inspector_html(run: RunResult | None, iteration: IterationRecord | None, nod
              ("draft q", "n/a" if node.q is None else f"{node.q:.4f}"),
              ("target p", "n/a" if node.p is None else f"{node.p:.4f}"),
              ("acceptance probability", _acceptance(node, greedy)),
-             ("outcome", outcome)]
+             ("outcome", outcome), ("proposed by", SOURCES.get(node.source, html.escape(node.source)))]
     body = "".join(_row(k, v) for k, v in cells)
     why = reason(node, parent, greedy, str(run.config.get("verifier") or ""))
     return (f"<div class='tv-inspector'>{body}<div style='font-size:14px;margin-top:2px'><b>why:</b> {why}</div>"

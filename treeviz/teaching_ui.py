@@ -76,9 +76,11 @@ def race_tab(ui: SimpleNamespace) -> None:
     with gr.Tab("Race", elem_id="tv-race-tab"):
         methods = [s for s in STRATEGIES if s != "ar"]
         with gr.Row(equal_height=True):
-            ui.race_strategies = gr.CheckboxGroup(methods, value=list(teaching_handlers.DEFAULT_RACE), scale=4,
-                                                  label="Strategies to race against AR (cpu preset each)",
-                                                  elem_id="tv-race-strategies")
+            # a multiselect that takes typed values too: "dynatree@paper" races another preset
+            ui.race_strategies = gr.Dropdown(methods, value=list(teaching_handlers.DEFAULT_RACE), multiselect=True,
+                                             allow_custom_value=True, scale=4, elem_id="tv-race-strategies",
+                                             label="Strategies to race against AR (cpu preset each; type "
+                                                   "name@preset for another preset)")
             ui.race_btn = gr.Button("Race", variant="primary", scale=1, elem_id="tv-race-btn")
         ui.race_status = gr.HTML(status_html(RACE_HINT), elem_id="tv-race-status")
         ui.race_plot = gr.Plot(empty_figure("no race yet"), show_label=False, elem_id="tv-race")
@@ -171,10 +173,35 @@ def download_html(race_runs, run, index: Any) -> Any:
 
 
 # -- wiring ----------------------------------------------------------------------------------------------------------
+# gr.Plot draws a figure with Plotly.react(data, layout) and drops its animation frames; the race and the step-through
+# play frames, so the page adds them to the drawn plot itself (waiting for the plot to be drawn first).
+FRAMES_JS = """(value) => {
+  const fig = value && value.plot ? (typeof value.plot === 'string' ? JSON.parse(value.plot) : value.plot) : null;
+  if (!fig) return;
+  let tries = 0;
+  const attach = () => {
+    const gd = document.querySelector('#ELEM .js-plotly-plot');
+    if (!gd || !window.Plotly || !gd._fullLayout) { if (tries++ < 100) setTimeout(attach, 100); return; }
+    // one index a call: deleteFrames sorts its list as strings, so [0..10] would delete the wrong frames
+    const old = (gd._transitionData && gd._transitionData._frames) || [];
+    for (let i = old.length - 1; i >= 0; i--) window.Plotly.deleteFrames(gd, [i]);
+    if (fig.frames && fig.frames.length) window.Plotly.addFrames(gd, fig.frames);
+  };
+  attach();
+}"""
+
+
+def with_frames(event, plot, elem_id: str) -> Any:
+    """After `event` updates `plot`: its animation frames added to the drawn figure (FRAMES_JS)."""
+    return event.then(None, [plot], None, js=FRAMES_JS.replace("ELEM", elem_id), api_visibility="private")
+
+
 def follow(ui: SimpleNamespace, event) -> Any:
     """After `event` shows a run or another iteration of it: the step-through, the histogram, the entropy tree."""
-    return event.then(iteration_panels, [ui.run_state, ui.scrubber, ui.entropy], [ui.step_plot, ui.acceptance, ui.tree],
-                      show_progress="hidden", queue=False, api_visibility="private")
+    panels = event.then(iteration_panels, [ui.run_state, ui.scrubber, ui.entropy],
+                        [ui.step_plot, ui.acceptance, ui.tree], show_progress="hidden", queue=False,
+                        api_visibility="private")
+    return with_frames(panels, ui.step_plot, "tv-step")
 
 
 def wire(ui: SimpleNamespace) -> list:
@@ -185,6 +212,7 @@ def wire(ui: SimpleNamespace) -> list:
         teaching_handlers.race, [ui.prompt, ui.chat, ui.pair, ui.race_strategies, ui.max_new, *sampling],
         [ui.race_runs, ui.race_plot, ui.race_status, ui.race_summary], api_name="race", concurrency_limit=None,
         show_progress="minimal")
+    with_frames(race, ui.race_plot, "tv-race")
     sweep = ui.sweep_btn.click(**ui.collect).then(
         teaching_handlers.sweep, [ui.prompt, ui.chat, ui.pair, ui.strategy, ui.preset, ui.params, ui.max_new,
                                   ui.sweep_min, ui.sweep_max, ui.sweep_points, *sampling],
@@ -196,4 +224,15 @@ def wire(ui: SimpleNamespace) -> list:
                        api_visibility="private")
     ui.html_btn.click(download_html, [ui.race_runs, ui.run_state, ui.scrubber], ui.html_file,
                       api_visibility="private")
+    ui.stop_btn.click(stopped_lines, [ui.race_status, ui.sweep_status], [ui.race_status, ui.sweep_status],
+                      queue=False, show_progress="hidden", api_visibility="private")
     return [race, sweep]
+
+
+def stopped_lines(race: str, sweep: str) -> tuple:
+    """Stop pressed: a race or sweep status line still in progress (an ellipsis, a progress bar) says it stopped
+    (Stop cancels the handler itself, so it cannot say so); finished lines stay."""
+    def busy(line: str) -> bool:
+        return isinstance(line, str) and ("…" in line or "tv-bar" in line) and "tv-status err" not in line
+    return (status_html("race stopped: nothing to show until every lane has finished") if busy(race) else gr.skip(),
+            status_html("sweep stopped (a stopped sweep is not cached)") if busy(sweep) else gr.skip())

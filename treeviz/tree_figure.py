@@ -36,6 +36,13 @@ STATUS_STYLE: dict[str, dict[str, Any]] = {
                   "label": "unreached (below a rejected node)"},
 }
 STATUS_ORDER = ("unreached", "rejected", "accepted", "root", "bonus", "resampled")
+# Who proposed a node (NodeRecord.source), as a ring around its marker; draft-model nodes ("model") have none.
+SOURCE_STYLE: dict[str, dict[str, Any]] = {
+    "lookup": {"symbol": "square-open", "color": "#16a085", "label": "square ring: from context lookup"},
+    "both": {"symbol": "hexagon-open", "color": "#16a085", "label": "hexagon ring: draft and lookup agree"},
+}
+SOURCE_PAD = 12  # the ring's size beyond its node's marker
+RING_BASE = STATUS_STYLE["accepted"]["size"]  # rings share one size unless the nodes are sized one by one
 EDGE_STYLE = {"accepted": ("#111111", 4.0), "other": ("#9aa5ad", 1.2), "dead": ("#d5dadd", 1.0)}
 
 
@@ -60,6 +67,8 @@ def hover_text(node: NodeRecord) -> str:
              f"p (target) = {_fmt(node.p)}",
              f"depth {node.depth} · rank {rank if rank is not None else 'n/a'}",
              f"outcome: {html.escape(outcome)}"]
+    if node.source in SOURCE_STYLE:
+        lines.append("proposed by: " + ("context lookup" if node.source == "lookup" else "the draft and lookup"))
     if node.accept_prob is not None:
         lines.insert(4, f"accept prob = {_fmt(node.accept_prob)}")
     if node.draws > 1:  # identical i.i.d. draws merged into this node (the rules try each draw in its own turn)
@@ -104,7 +113,7 @@ def tree_traces(iteration: IterationRecord, label_all: bool | None = None, show_
         size_scale *= 0.7
     xy = {node_id: (depth, -breadth) for node_id, (depth, breadth) in pos.items()}
     on_path = set(iteration.accepted_path)
-    return (_edge_traces(nodes, xy, on_path)
+    return (_edge_traces(nodes, xy, on_path) + _source_traces(nodes, xy, show_legend, size_scale, sizes)
             + _node_traces(nodes, xy, on_path, label_all, show_legend, size_scale, large, sizes))
 
 
@@ -131,6 +140,28 @@ def _edge_traces(nodes: list[NodeRecord], xy: dict, on_path: set[int]) -> list[g
             color, width = EDGE_STYLE[kind]
             traces.append(go.Scatter(x=xs, y=ys, mode="lines", line={"color": color, "width": width},
                                      hoverinfo="skip", showlegend=False, name=f"edges: {kind}"))
+    return traces
+
+
+def _source_traces(nodes: list[NodeRecord], xy: dict, show_legend: bool, size_scale: float,
+                   sizes: dict[int, float] | None = None) -> list[go.Scatter]:
+    """A ring under every node that context lookup proposed (alone, or agreeing with the draft): one trace per
+    source, drawn before the nodes; clicks on a ring pick its node."""
+    traces = []
+    for source, style in SOURCE_STYLE.items():
+        part = [n for n in nodes if n.source == source]
+        if not part:
+            continue
+        # one ring size (an accepted node's, padded), or per node where `sizes` sets the nodes' sizes
+        size = ([(sizes.get(n.id, RING_BASE) + SOURCE_PAD) * size_scale for n in part] if sizes
+                else (RING_BASE + SOURCE_PAD) * size_scale)
+        traces.append(go.Scatter(
+            x=[xy[n.id][0] for n in part], y=[xy[n.id][1] for n in part], mode="markers",
+            marker={"symbol": style["symbol"], "size": size,
+                    "color": style["color"], "line": {"width": 2.5, "color": style["color"]}},
+            hovertext=[hover_text(n) for n in part], hoverinfo="text", name=style["label"],
+            legendgroup=f"source-{source}", showlegend=show_legend,
+            customdata=[[n.id, node_status(n)] for n in part]))
     return traces
 
 

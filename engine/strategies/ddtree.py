@@ -17,6 +17,7 @@ import math
 import torch
 
 from engine.strategies.base import Param, Strategy
+from engine.strategies.graft import GRAFT_PARAMS, LookupGraft
 from engine.strategies.sizing import SizeCost, accepted_within, first_nodes
 
 
@@ -41,13 +42,14 @@ def best_first_prefixes(probs: list[list[float]], budget: int) -> list[tuple[int
     return out
 
 
-class DDTree(Strategy):
+class DDTree(LookupGraft, Strategy):
     name = "ddtree"
     label = "DDTree (best-first prefixes)"
     summary = "The B most probable prefixes of the draft's per-position distributions along its top-1 chain."
     params = (
         Param("budget", 16, 1, 1024, 1, "B (node budget)", "drafted nodes per iteration"),
         Param("block", 5, 1, 64, 1, "L (block length)", "positions drafted = draft forwards per iteration"),
+        *GRAFT_PARAMS,
     )
     auto_param = "budget"  # the size the "auto" preset tunes from measured costs
     presets = {
@@ -65,7 +67,7 @@ class DDTree(Strategy):
         rows = [sample.first_rows] + [1] * (forwards - 1)
         return SizeCost(len(kept), accepted_within(sample, kept), rows, len(kept) + 1)
 
-    def build(self, drafter, tree) -> None:
+    def build_model(self, drafter, tree) -> None:
         budget, block = self.config["budget"], self.config["block"]
         chain, dists, probs, tokens = [0], [], [], []
         for i in range(block):

@@ -23,9 +23,10 @@ parents are served first so the budget goes where the draft is confident.
 from collections import deque
 
 from engine.strategies.base import Param, Strategy, StrategyError
+from engine.strategies.graft import GRAFT_PARAMS, LookupGraft
 
 
-class DynaTree(Strategy):
+class DynaTree(LookupGraft, Strategy):
     name = "dynatree"
     label = "DynaTree"
     summary = "Breadth from draft confidence, depth from path probability, pruning under a budget, history feedback."
@@ -51,6 +52,7 @@ class DynaTree(Strategy):
         Param("dynamic_depth", True, label="dynamic depth"),
         Param("pruning", True, label="probability pruning"),
         Param("history", True, label="history adaptation"),
+        *GRAFT_PARAMS,
     )
     auto_param = "budget"  # the size the "auto" preset tunes from measured costs
     presets = {
@@ -96,7 +98,7 @@ class DynaTree(Strategy):
             return c["b_max"]
         return c["b_mid"]
 
-    def build(self, drafter, tree) -> None:
+    def build_model(self, drafter, tree) -> None:
         c = self.config
         tau = c["tau"] if c["pruning"] else 0.0
         frontier = [0]

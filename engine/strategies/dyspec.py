@@ -23,6 +23,7 @@ from bisect import bisect_right
 import torch
 
 from engine.strategies.base import Param, Strategy, StrategyError
+from engine.strategies.graft import GRAFT_PARAMS, LookupGraft
 
 
 def dfs_order(tree) -> list[int]:
@@ -35,7 +36,7 @@ def dfs_order(tree) -> list[int]:
     return order
 
 
-class DySpec(Strategy):
+class DySpec(LookupGraft, Strategy):
     name = "dyspec"
     label = "DySpec (greedy heap)"
     summary = "Greedy best-first expansion of slots valued P(reached) x draft probability, under a node budget."
@@ -46,6 +47,7 @@ class DySpec(Strategy):
               help="layer by layer: expand every slot whose value exceeds the threshold (one draft forward per layer)"),
         Param("threshold", 0.02, 0.0, 1.0, 0.001, "threshold", "threshold variant: minimum slot value"),
         Param("dfs_order", False, label="DFS node order", help="renumber the tree depth-first (block-sparse masks)"),
+        *GRAFT_PARAMS,
     )
     auto_param = "budget"  # the size the "auto" preset tunes from measured costs
     presets = {
@@ -61,7 +63,7 @@ class DySpec(Strategy):
             raise StrategyError(f"threshold = {c['threshold']}: no slot value exceeds 1, the tree would be empty; "
                                 "use a threshold below 1")
 
-    def build(self, drafter, tree) -> None:
+    def build_model(self, drafter, tree) -> None:
         c = self.config
         values = self._threshold(drafter, tree) if c["threshold_variant"] else self._greedy(drafter, tree)
         tree.extra["dyspec_values"] = values
