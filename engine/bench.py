@@ -13,7 +13,6 @@ iterations.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -23,9 +22,8 @@ from engine.compiled import CompiledAR, compile_available
 from engine.metrics import DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off
 from engine.models import ModelPair
 from engine.prompts import encode_prompt, load_prompt_set
-from engine.runtime import synchronize
+from engine.peers import hf_assisted, hf_prompt_lookup
 from engine.sampling import Sampling
-from engine.peers import hf_prompt_lookup
 from engine.session import RunSpec, generate
 from engine.strategies import STRATEGIES, StrategyError
 from engine.trace import RunResult
@@ -37,22 +35,6 @@ PEERS = (HF_ASSISTED, HF_PROMPT_LOOKUP)  # transformers' own generate loops: gre
 AR_COMPILED = "ar-compiled"
 AR_METHODS = ("ar", AR_COMPILED)
 COMPILED_AR_MODES = ("auto", "on", "off")
-
-
-def hf_assisted(pair: ModelPair, prompt, max_new_tokens: int, stop_on_eos: bool = True) -> dict[str, Any]:
-    ids = torch.tensor([encode_prompt(pair.tokenizer, prompt)], device=pair.device)
-    eos = pair.eos_token_ids if stop_on_eos else None
-    synchronize(pair.device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = pair.target.generate(
-            ids, attention_mask=torch.ones_like(ids), assistant_model=pair.draft, max_new_tokens=max_new_tokens,
-            do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=eos,
-            pad_token_id=pair.tokenizer.pad_token_id or (pair.eos_token_ids or [0])[0])
-    synchronize(pair.device)
-    seconds = time.perf_counter() - start
-    output_ids = out[0, ids.shape[1]:].tolist()
-    return {"output_ids": output_ids, "new_tokens": len(output_ids), "total_s": seconds}
 
 
 def split_method(method: str, preset: str = "cpu") -> tuple[str, str]:

@@ -193,7 +193,8 @@ def test_a_run_streams_several_updates(client, monkeypatch):
 
     from treeviz import handlers
     from treeviz.throttle import UpdateThrottle
-    monkeypatch.setattr(handlers, "UpdateThrottle", partial(UpdateThrottle, min_interval=0.02))
+    # share 0.9: on a loaded machine one update may take 0.1 s, and the default 10 % rule would then wait ~1 s
+    monkeypatch.setattr(handlers, "UpdateThrottle", partial(UpdateThrottle, min_interval=0.02, share=0.9))
     job = client.submit("def stream(n):\n", False, "tiny-random", "dynatree", "cpu", 256, api_name="/run")
     job.result(timeout=120)
     trees = [o for o in job.outputs() if is_plot(o[TREE]) and tree_nodes(o[TREE]) >= 2]

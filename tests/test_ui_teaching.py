@@ -57,12 +57,8 @@ def test_race_two_lanes_winner_and_lane_times_are_decode_times(client):
     for lane in lanes:  # the lane times shown are the runs' measured decode times (engine.metrics's total_s)
         assert lane["tokens"] == ar["tokens"] > 1 and lane["matches_ar"] is True
         assert lane["decode_s"] == pytest.approx(lane["tokens"] / lane["tokens_per_s"], rel=0.05)
-        assert lane["finish_s"] <= lane["decode_s"]  # the replay's last token lands at the decode time
-    assert tree["finish_s"] >= 0.95 * tree["decode_s"], tree
-    # AR's ~2 ms iterations on the tiny pair: Decoder.step's bookkeeping after each iteration's timer (margins, the
-    # token's text: ~0.2 ms) is outside engine.timeline's clock, up to ~10% here, a fraction of a percent on real
-    # pairs (100 ms iterations)
-    assert ar["finish_s"] >= 0.75 * ar["decode_s"], ar
+        # the replay's last token lands at the measured decode time (engine.timeline spreads the loop's bookkeeping)
+        assert lane["finish_s"] == pytest.approx(lane["decode_s"], rel=0.05), lane
     assert tree["speedup_vs_ar"] == pytest.approx(ar["decode_s"] / tree["decode_s"], rel=0.05)
     assert "fair measurement" in status and "AR measured fresh" in status and "winner" in status
     assert f"{tree['speedup_vs_ar']:.2f}× AR" in status
@@ -236,4 +232,16 @@ def test_race_step_through_and_sweep_in_a_real_browser(tmp_path):
         assert {"L̄", "acceptance", "measured tokens/s"} <= {t["name"] for t in curves if t["n"] == 3}, curves
         assert page.locator("#tv-sweep .scatterlayer .trace .points path").count() >= 9
         shot(page, shots, "tv-sweep-tab", "ui_sweep.png")
+
+        # Stop mid-sweep: the sweep's status line says it stopped, and the page takes the next run
+        page.locator("#tv-max-new input[type=number]").fill("400")
+        page.locator("#tv-sweep-max input").fill("64")
+        points.fill("6")
+        points.blur()
+        page.click("#tv-sweep-btn")
+        page.wait_for_function("document.querySelector('#tv-sweep-status').innerText.includes('1 of 7 runs done')",
+                               timeout=120_000)
+        page.click("#tv-stop")
+        page.wait_for_function("document.querySelector('#tv-sweep-status').innerText.includes('sweep stopped')",
+                               timeout=30_000)
         assert not errors, errors

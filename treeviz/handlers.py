@@ -265,7 +265,7 @@ def compare_views(spec: RunSpec, session: str, methods: list[str], stage_mode: s
 
 def _compare_updates(spec: RunSpec, session: str, methods: list[str], stage_mode: str) -> Iterator[tuple]:
     cancel, names = BACKEND.cancel_of(session), COMPARE_OUTPUTS
-    rows, trees, runs, ar_note = [], [], [], ""
+    rows, trees, runs, ar_note, last_shown = [], [], [], "", {}
     for item in BACKEND.compare(loaded_pair(spec, "Compare"), spec, methods, cancel):
         if isinstance(item, Status):
             yield status_update(item.text, names=names)
@@ -282,6 +282,7 @@ def _compare_updates(spec: RunSpec, session: str, methods: list[str], stage_mode
             n = last_index(result)
             shown = {"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
                      "download": save_trace(result), **render_views(result, ar, n, stage_mode)}
+        last_shown = shown or last_shown
         yield outputs({**shown, "status": status_html(f"compare: {result.strategy} done"),
                        **_compare_extra(rows, trees, runs)}, names)
     if cancel.is_set():
@@ -289,7 +290,8 @@ def _compare_updates(spec: RunSpec, session: str, methods: list[str], stage_mode
             yield status_update("comparison stopped", names=names)
     elif rows:  # the last value carries the comparison: an API caller reads only the last
         summary = f"compared {len(rows)} methods on the same prompt" + (f" ({ar_note})" if ar_note else "")
-        yield outputs({"status": status_html(summary), **_compare_extra(rows, trees, runs)}, names)
+        # the last method's views again: a page that coalesced the streamed updates still ends on them
+        yield outputs({**last_shown, "status": status_html(summary), **_compare_extra(rows, trees, runs)}, names)
 
 
 def _compare_extra(rows: list[dict], trees: list, runs: list) -> dict:
