@@ -4,7 +4,8 @@ delayed-tree-expansion paper.
     python -m scripts.rules_bench --pair default --temperatures 0.6,1.0 --prompt-set all --max-new-tokens 24 \
         [--limit N] [--json OUT]
 
-Each row is a tree shape with one rule: sampled chains (delayed with K=1, L1=0) under Naive / Block / Traversal;
+Each row is a tree shape with one rule: sampled chains (delayed with K=1, L1=0; linear's cpu preset, a chain drawn
+from q that stops below a path probability) under Naive / Block (/ Traversal);
 i.i.d. (K, L1, L2) trees under NaiveTree / SpecInfer / SpecTr / Khisti / Traversal; the same trees drawn without
 replacement under SpecInfer; DynaTree's deterministic top-k trees under token matching / Traversal. For every prompt,
 AR samples at the same temperature right before that prompt's rows (interleaved, so machine drift cancels; warm-up
@@ -58,6 +59,9 @@ ROWS = [  # (label, strategy, params, rule)
     ("iid (3,2,2)", "delayed", IID, "khisti"),
     ("iid (3,2,2)", "delayed", IID, "traversal"),
     ("w/o repl. (3,2,2)", "delayed", {**IID, "without_replacement": True}, "specinfer"),
+    # linear at T > 0 is speculative sampling: a chain drawn from q, min(1, p/q) and the residual
+    ("linear (cpu)", "linear", {}, "naive"),
+    ("linear (cpu)", "linear", {}, "block"),
     ("top-k DynaTree", "dynatree", {}, "token_matching"),
     ("top-k DynaTree", "dynatree", {}, "traversal"),
 ]

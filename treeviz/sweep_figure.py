@@ -39,7 +39,8 @@ def sweep_figure(sweep: dict[str, Any] | None) -> go.Figure:
     fig.update_yaxes(range=[0, 1.05], row=1, col=2)
     fig.update_yaxes(rangemode="tozero", row=1, col=1)
     fig.update_yaxes(rangemode="tozero", row=1, col=3)
-    fig.update_layout(title={"text": _title(sweep), "font": {"size": 14}, "x": 0.01, "y": 0.97})
+    # the title sits below Plotly's mode bar (top right), which it would otherwise run under
+    fig.update_layout(title={"text": _title(sweep), "font": {"size": 14}, "x": 0.01, "y": 0.93})
     return fig
 
 
@@ -82,6 +83,9 @@ def _peak(fig: go.Figure, sweep: dict[str, Any]) -> None:
         return
     ar = (sweep.get("ar") or {}).get("tokens_per_s")
     text = f"peak {best['tokens_per_s']:.1f} tok/s" + (f" ({best['tokens_per_s'] / ar:.2f}× AR)" if ar else "")
+    # the label leans toward the middle of the axis so that a peak at either end is not cut off by the plot's edge
+    sizes = [p["size"] for p in sweep["points"]]
+    side = "top right" if best["size"] <= sizes[len(sizes) // 2] else "top left"
     fig.add_trace(go.Scatter(x=[best["size"]], y=[best["tokens_per_s"]], mode="markers+text", text=[text],
-                             textposition="top center", name="peak", showlegend=False,
+                             textposition=side, name="peak", showlegend=False,
                              marker={"symbol": "star", "size": 18, "color": PEAK_COLOR}), row=1, col=3)
