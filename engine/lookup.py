@@ -95,6 +95,16 @@ class LookupIndex:
         return out
 
 
+def follow(index: LookupIndex, tokens: list[int]) -> LookupIndex:
+    """The index of the context `tokens`: `index` extended by the tokens committed since it last saw the context, or
+    a fresh index with its settings when `tokens` does not continue what it saw (a new run, an edited context)."""
+    seen = index.tokens
+    if tokens[:len(seen)] != seen:
+        index = LookupIndex(index.min_match, index.max_match)
+    index.extend(tokens[len(index.tokens):])
+    return index
+
+
 def _may_expand(tree: DraftTree, node: int) -> bool:
     """Whether a deterministic child may join `node`'s children: it has none, or they are deterministic too."""
     return not tree.children[node] or tree.child_mode.get(node, "topk") == "topk"

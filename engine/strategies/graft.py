@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.lookup import LookupIndex, build_lookup_tree
+from engine.lookup import LookupIndex, build_lookup_tree, follow
 from engine.strategies.base import Param
 from engine.tree import DraftTree
 
@@ -58,11 +58,7 @@ class LookupGraft:
     def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None) -> None:
         """Extend the index with the tokens committed since the last call (rebuilt when the context changed: a new
         run)."""
-        seen = self.index.tokens
-        if tokens[:len(seen)] != seen:
-            self.index = LookupIndex(self.config["lookup_min_match"], MAX_MATCH)
-            seen = self.index.tokens
-        self.index.extend(tokens[len(seen):])
+        self.index = follow(self.index, tokens)
         self.vocab_size, self.device = vocab_size or self.vocab_size, device or self.device
 
     def build(self, drafter, tree: DraftTree) -> None:

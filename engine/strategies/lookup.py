@@ -7,7 +7,7 @@ temperature (Naive and Block too when `max_continuations` = 1, a single chain). 
 and refuse it. The "paper" preset is prompt lookup decoding's (Saxena 2023; transformers' `prompt_lookup_num_tokens`):
 one continuation of up to 10 tokens, matches of 3 tokens down to 1.
 """
-from engine.lookup import LookupIndex, build_lookup_tree
+from engine.lookup import LookupIndex, build_lookup_tree, follow
 from engine.strategies.base import Param, Strategy, StrategyError
 
 
@@ -44,11 +44,7 @@ class Lookup(Strategy):
 
     def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None) -> None:
         """Extend the index with the tokens committed since the last call (rebuild it if the context changed)."""
-        seen = self.index.tokens
-        if tokens[:len(seen)] != seen:  # a new run or an edited context: start over
-            self.index = LookupIndex(self.config["min_match"], self.config["max_match"])
-            seen = self.index.tokens
-        self.index.extend(tokens[len(seen):])
+        self.index = follow(self.index, tokens)
         self.vocab_size, self.device = vocab_size or self.vocab_size, device or self.device
 
     def build(self, drafter, tree) -> None:
