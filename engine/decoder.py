@@ -77,10 +77,6 @@ class RunState:
     stop_reason: str = ""               # set when decoding must stop ("eos", "max_new_tokens", "stop_string")
     width: int | None = None            # the width of the target's logits rows (set by the prefill)
 
-    @property
-    def target_cache(self):
-        return self.target.cache
-
 
 @dataclass
 class DecodeRun:

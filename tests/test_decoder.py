@@ -170,8 +170,8 @@ def test_caches_equal_fresh_prefill(name, related_pair):
     committed = prompt_ids + run.state.generated
     # The root (last committed token) is in neither cache yet.
     target_ref = _fresh_prefill(related_pair.target, committed[:-1])
-    assert kv.cache_length(run.state.target_cache) == len(committed) - 1
-    assert_same_cache(run.state.target_cache, target_ref)
+    assert kv.cache_length(run.state.target.cache) == len(committed) - 1
+    assert_same_cache(run.state.target.cache, target_ref)
     drafter = run.state.drafter
     if drafter is None:
         return  # a strategy that drafts without the draft model (lookup) has no draft cache
