@@ -6,7 +6,8 @@ peer of the `lookup` strategy. Both run greedily only. A method names a strategy
 and a preset: "dynatree+lookup@auto" is DynaTree with lookup grafted (engine/strategies/graft.py) on its auto preset,
 so "dynatree" and "dynatree+lookup" compare on the same prompts in one run.
 `ar-compiled` is AR through torch.compile (engine/compiled.py), run beside the engine's eager AR where inductor can
-build it (`compiled_ar="auto"`). Throughput per method and prompt set = new tokens / wall time summed over prompts and
+build it (`compiled_ar="auto"`); `ar-graph` is AR replaying the pair's captured single-row CUDA graph with nothing
+else in its loop (engine/graph_ar.py), run beside the engine's AR wherever the pair replays graphs. Throughput per method and prompt set = new tokens / wall time summed over prompts and
 repeats; speedup divides by the faster AR's throughput on the same prompts (every AR is decoded on each prompt right
 before the other methods, so drift of the machine cancels). Quality metrics (L-bar, l-bar, acceptance) average over
 iterations.
@@ -19,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from engine.compiled import CompiledAR, compile_available
+from engine.graph_ar import GraphedAR
 from engine.metrics import DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off
 from engine.models import ModelPair
 from engine.prompts import encode_prompt, load_prompt_set
@@ -33,7 +35,8 @@ HF_ASSISTED = "hf-assisted"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
 PEERS = (HF_ASSISTED, HF_PROMPT_LOOKUP)  # transformers' own generate loops: greedy only
 AR_COMPILED = "ar-compiled"
-AR_METHODS = ("ar", AR_COMPILED)
+AR_GRAPH = "ar-graph"
+AR_METHODS = ("ar", AR_COMPILED, AR_GRAPH)
 COMPILED_AR_MODES = ("auto", "on", "off")
 
 
@@ -65,11 +68,12 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
     """One run of `method` on `prompt`. `params` maps a strategy's name to its parameters; `verifier` is a rule's
     name, or a Verifier instance (scripts/rules_bench.py wraps rules to record acceptance)."""
     sampling = sampling or Sampling()
-    if method == AR_COMPILED:
-        if compiled is None:
+    if method in (AR_COMPILED, AR_GRAPH):
+        if method == AR_COMPILED and compiled is None:
             raise ValueError("ar-compiled needs the bench's CompiledAR (bench(..., compiled_ar='on'))")
-        return compiled.generate(encode_prompt(pair.tokenizer, prompt), max_new_tokens, sampling,
-                                 tuple(pair.eos_token_ids))
+        loop = compiled if method == AR_COMPILED else GraphedAR(pair)
+        return loop.generate(encode_prompt(pair.tokenizer, prompt), max_new_tokens, sampling,
+                             tuple(pair.eos_token_ids))
     if method in PEERS:
         if not sampling.greedy:
             raise ValueError(f"the {method} baseline is benchmarked greedily only; drop it or use --temperature 0")
@@ -95,8 +99,9 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
     sampling = sampling or Sampling()
     sets = ["code", "chat", "prose"] if prompt_set == "all" else [prompt_set]
     compiled = compiled_baseline(pair, methods, compiled_ar, sets, limit, max_new_tokens, log)
-    # every AR first: every speedup divides by the faster of them
-    methods = ["ar"] + ([AR_COMPILED] if compiled else []) + [m for m in methods if m not in AR_METHODS]
+    # every AR first: every speedup divides by the fastest of them (ar-graph wherever the pair replays graphs)
+    ars = ["ar"] + ([AR_COMPILED] if compiled else []) + ([AR_GRAPH] if pair.graphs else [])
+    methods = ars + [m for m in methods if m not in AR_METHODS]
     # Warm-up, excluded: first calls pay for allocator growth and kernel selection.
     warm = load_prompt_set(sets[0])[0]["prompt"]
     for method in methods:
@@ -185,7 +190,7 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
                            "speedup": tps / ar_tps,
                            "exact_match_rate": sum(exact) / len(outs) if len(exact) == len(outs) else None}
     results: list[RunResult] = [o["result"] for o in outs if "result" in o]
-    if not results and all(o.get("tpot_s") for o in outs):  # ar-compiled times its own prefill and steps
+    if not results and all(o.get("tpot_s") for o in outs):  # ar-compiled / ar-graph time their own prefill, steps
         row["ttft_s"] = sum(o["ttft_s"] for o in outs) / len(outs)
         row["tpot_s"] = sum(o["tpot_s"] for o in outs) / len(outs)
     if results:
@@ -221,7 +226,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{fmt(r.get('acceptance_rate'), '7.2f')} {fmt(r.get('iterations'), '6.1f')} "
             f"{fmt(r.get('ttft_s'), '7.3f')} {fmt(r.get('tpot_s'), '7.3f')} {fmt(r['exact_match_rate'], '6.2f')}")
     baselines = {r["prompt_set"]: r.get("baseline", "ar") for r in report["rows"]}
-    if any(r["method"] == AR_COMPILED for r in report["rows"]):  # only then can the baseline differ from "ar"
+    if any(r["method"] in (AR_COMPILED, AR_GRAPH) for r in report["rows"]):  # else the baseline is "ar"
         lines += ["", "speedup = tok/s ÷ the faster AR on the set: " +
                   ", ".join(f"{name} {b}" for name, b in baselines.items())]
     costs = report.get("config", {}).get("costs")

@@ -30,6 +30,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4", "auto"),
                    help="weight-only quantised path for the draft's linears (CPU), used where measured faster; "
                         "auto = both int8 and int4, the router picks per row count (the app's default)")
+    p.add_argument("--steps", default="auto", choices=("auto", "static", "dynamic"),
+                   help="model forwards on a growing cache (dynamic) or a preallocated one with row-count buckets "
+                        "(static); auto: static exactly when CUDA graphs are on (default auto)")
+    p.add_argument("--cuda-graphs", default="off", choices=("auto", "on", "off"),
+                   help="replay one captured CUDA graph per row-count bucket and model (docs/gpu.md); auto: on for "
+                        "a CUDA device; the cost table is measured on the same steps. Default off until a GPU run "
+                        "has validated the captured path")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the forward-cost table again instead of reading it from the cache")
     p.add_argument("--preset", default=None,
@@ -145,7 +152,8 @@ def _load(args):
 
     pair = load_pair(target, draft, dtype=args.dtype, device=args.device,
                      trust_remote_code=args.trust_remote_code, packed=args.packed_weights, progress=progress,
-                     draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, recalibrate=args.recalibrate)
+                     draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, recalibrate=args.recalibrate,
+                     cuda_graphs=args.cuda_graphs)
     print(pair.describe(), file=sys.stderr)
     return pair
 
@@ -227,14 +235,15 @@ def _summary(result) -> str:
 
 
 def cmd_bench(args) -> int:
-    from engine.bench import AR_COMPILED, PEERS, bench, format_table, method_switches, split_method
+    from engine.bench import AR_METHODS, PEERS, bench, format_table, method_switches, split_method
     methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
     preset = _preset(args, [split_method(m)[0] for m in methods])
     names = {m: split_method(m, preset) for m in methods}
     for m, (name, preset) in names.items():
-        if m not in (*PEERS, AR_COMPILED) and name not in STRATEGIES:
+        if m not in (*PEERS, *AR_METHODS) and name not in STRATEGIES:
             raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, {', '.join(PEERS)}, "
-                                f"ar-compiled (a strategy may name switches and its preset: dynatree+lookup@auto)")
+                                f"ar-compiled, ar-graph (a strategy may name switches and its preset: "
+                                f"dynatree+lookup@auto)")
         method_switches(m)
         if name in STRATEGIES and preset not in STRATEGIES[name].preset_names():
             raise StrategyError(f"{name} has no preset {preset!r}; choose from {STRATEGIES[name].preset_names()}")
@@ -277,12 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run AR on the prompt: speedup and exact match. Both are warmed up first, then run "
                         "interleaved (AR, method, ...) --compare-repeats times; the fastest run of each is compared")
     g.add_argument("--compare-repeats", type=int, default=1, help="runs of each with --compare-ar (default 1)")
-    g.add_argument("--steps", default="auto", choices=("auto", "static", "dynamic"),
-                   help="model forwards on a growing cache (dynamic) or a preallocated one with row-count buckets "
-                        "(static); auto: static exactly when CUDA graphs are on (default auto)")
-    g.add_argument("--cuda-graphs", default="off", choices=("auto", "on", "off"),
-                   help="replay one captured CUDA graph per row-count bucket; auto: on for a CUDA device. Default "
-                        "off until a GPU run validates the captured path (docs/gpu.md)")
     g.add_argument("--json", help="write the run (metrics + per-iteration records) to this file")
     g.add_argument("-v", "--verbose", action="store_true", help="print one line per iteration")
     _add_sampling_args(g)

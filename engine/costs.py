@@ -9,7 +9,9 @@ A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each
 of 1, 2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/kernels.py),
 fastest of REPEATS
 (after one discarded warm-up call per path). The cache is rolled back after each call, so every call sees the same
-prefix. On CUDA, timing synchronises the device and the only path is torch's own.
+prefix. On CUDA, timing synchronises the device and the only path is torch's own. Where runs replay CUDA graphs
+(engine/steps.py) the table is measured through those same steps, one graph per rung (`measure_static`): a GPU's
+eager forwards cost what the host takes to launch them, which says nothing about a replay.
 
 The table then decides three things: the routing (each row count to its fastest path), the predicted cost of an
 iteration (Σ draft forwards at their row counts + verification at the tree's size, interpolated between the
@@ -81,9 +83,10 @@ def model_identity(model, name: str) -> str:
     return f"{name}|{digest}|{numel}" + (f"|vocab {vocab}" if vocab else "")
 
 
-def table_key(model, name: str, dtype: torch.dtype, device: torch.device) -> dict:
-    return {"format": FORMAT, "model": model_identity(model, name), "dtype": str(dtype).removeprefix("torch."),
-            "prefix": PREFIX, "ladder": list(LADDER), **machine(device)}
+def table_key(model, name: str, dtype: torch.dtype, device: torch.device, graphs: bool = False) -> dict:
+    key = {"format": FORMAT, "model": model_identity(model, name), "dtype": str(dtype).removeprefix("torch."),
+           "prefix": PREFIX, "ladder": list(LADDER), **machine(device)}
+    return {**key, "steps": "cuda-graphs"} if graphs else key
 
 
 def _key_file(key: dict) -> Path:
@@ -165,6 +168,33 @@ def measure(model, paths: list[str], ladder=LADDER, prefix: int = PREFIX, repeat
     return {p: {r: min(v) for r, v in by_rows.items()} for p, by_rows in samples.items()}
 
 
+def measure_static(model, paths: list[str], ladder=LADDER, prefix: int = PREFIX, repeats: int = REPEATS
+                    ) -> dict[str, dict[int, float]]:
+    """`measure`'s table through the engine's static steps, graphed on CUDA: one CUDA graph per rung on a cache as
+    long as a run at `prefix` tokens would get (steps.graph_capacity), each rung's forward timed from its inputs'
+    copy to its logits, synchronised; fastest of `repeats` whole sweeps after one warm-up sweep. One path ("plain":
+    a GPU has no kernel routing); `paths` is accepted for measure's signature. (On a CPU the same steps run eagerly:
+    what the tests check.)"""
+    from engine.steps import StaticSteps, graph_capacity
+
+    ids = probe_ids(model, prefix + max(ladder)).tolist()
+    device = next(model.parameters()).device
+    steps = StaticSteps(model, graph_capacity(prefix + max(ladder)), tuple(ladder), graphs=device.type == "cuda")
+    samples: dict[int, list[float]] = {r: [] for r in ladder}
+    with torch.inference_mode():
+        steps.prefill(ids[:prefix])
+        for sweep in range(repeats + 1):
+            for rows in ladder:
+                synchronize(device)
+                start = time.perf_counter()
+                steps.forward(ids[prefix:prefix + rows], list(range(prefix, prefix + rows)))
+                synchronize(device)
+                if sweep:
+                    samples[rows].append(time.perf_counter() - start)
+                steps.keep(prefix, [])
+    return {"plain": {r: min(v) for r, v in samples.items()}}
+
+
 def timed_forward(model, ids: torch.Tensor, prefix: int, rows: int, cache) -> float:
     """Seconds of one forward of `rows` rows after the cached prefix; the cache is rolled back after."""
     device = ids.device
@@ -187,11 +217,14 @@ def _causal_mask(prefix: int, rows: int, dtype: torch.dtype, device: torch.devic
 
 
 def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, recalibrate: bool = False,
-                measure_fn=measure) -> ModelCosts:
-    """The model's table for the paths it has: from the disk cache where it holds them, else measured and saved."""
+                measure_fn=measure, graphs: bool = False) -> ModelCosts:
+    """The model's table for the paths it has: from the disk cache where it holds them, else measured and saved.
+    `graphs`: measured on replayed CUDA graphs (measure_static, unless a `measure_fn` is given), cached apart."""
     router = router_of(model)
     paths = list(router.paths) if router is not None else ["plain"]
-    key = table_key(model, name, dtype, device)
+    if graphs and measure_fn is measure:
+        measure_fn = measure_static
+    key = table_key(model, name, dtype, device, graphs)
     file = _key_file(key)
     stored: dict[str, dict[int, float]] = {}
     others: dict[int, dict[str, dict[int, float]]] = {}
@@ -324,7 +357,8 @@ class PairCosts:
 
 
 def calibrate_pair(pair, recalibrate: bool = False, progress=None, measure_fn=measure) -> PairCosts:
-    """Measure (or read) both models' tables, install each model's routing from its table, and return the costs."""
+    """Measure (or read) both models' tables, install each model's routing from its table, and return the costs.
+    On replayed CUDA graphs where the pair runs them (`pair.graphs`)."""
     say = progress or (lambda fraction, message: None)
     tables = {}
     for role, model, name in (("target", pair.target, pair.target_name), ("draft", pair.draft, pair.draft_name)):
@@ -332,7 +366,7 @@ def calibrate_pair(pair, recalibrate: bool = False, progress=None, measure_fn=me
             tables[role] = None
             continue
         say(0.0 if role == "target" else 0.6, f"measuring {role} forward costs (cached after the first time)")
-        costs = model_costs(model, name, pair.dtype, pair.device, recalibrate, measure_fn)
+        costs = model_costs(model, name, pair.dtype, pair.device, recalibrate, measure_fn, graphs=pair.graphs)
         router = router_of(model)
         if router is not None:
             router.install(costs.routing())

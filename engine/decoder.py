@@ -26,7 +26,7 @@ from engine.records import iteration_cost, iteration_record, margins
 from engine.runtime import synchronize
 from engine.sampling import Sampling
 from engine.selector import FeatureTaps
-from engine.steps import DynamicSteps, capacity, choose_buckets, largest_rung, make_steps, wants_static
+from engine.steps import DynamicSteps, capacity, choose_buckets, largest_rung, reuse_static, wants_static
 from engine.strategies.base import Strategy
 from engine.trace import IterationRecord, RunResult
 from engine.tree import DraftTree
@@ -131,10 +131,11 @@ class Decoder:
     (`start`, `prefill`, `step`, `result`) are what a DecodeRun drives; they keep no state of their own."""
 
     def __init__(self, pair: "ModelPair", strategy: Strategy, verifier: Verifier | None = None,
-                 sampling: Sampling | None = None, steps: str = "auto", cuda_graphs: str = "off"):
+                 sampling: Sampling | None = None, steps: str = "auto", cuda_graphs: str = "auto"):
         """steps "auto" | "static" | "dynamic", cuda_graphs "auto" | "on" | "off": engine/steps.py. steps "auto" is
-        static exactly when graphs are on; graphs "auto" is on for a CUDA device. Graphs default to "off" until a
-        GPU run has validated the captured path (docs/gpu.md)."""
+        static exactly when graphs are on; graphs "auto" follow the pair (`pair.graphs`, decided when it loaded: on
+        when it was loaded with cuda_graphs "on" or "auto" on a CUDA device; off by default), so runs take the steps its
+        cost table measured."""
         if strategy.uses_draft and pair.draft is None:
             raise ValueError(f"strategy {strategy.name!r} needs a draft model, and this pair has none")
         self.pair, self.strategy = pair, strategy
@@ -144,9 +145,10 @@ class Decoder:
             raise VerificationError(f"verification rule {self.verifier.name!r} is exact only at temperature 0; "
                                     f"at temperature {self.sampling.temperature:g} pick a sampling rule")
         self.verifier.check_strategy(strategy)
+        if cuda_graphs == "auto":
+            cuda_graphs = "on" if pair.graphs else "off"
         self.static = wants_static(steps, cuda_graphs, pair.device)
         self.cuda_graphs = cuda_graphs
-        self._static: dict[str, Any] = {}  # role -> StaticSteps, kept across this decoder's (sequential) runs
 
     def run(self, prompt: Prompt, max_new_tokens: int = 64, stop_on_eos: bool = True,
             stop_strings: tuple[str, ...] = (), eos_token_ids: list[int] | None = None) -> DecodeRun:
@@ -189,20 +191,16 @@ class Decoder:
         return RunState(prompt_ids, self._steps("target", len(prompt_ids), stop), drafter, generator, taps, sizer)
 
     def _steps(self, role: str, prompt_len: int, stop: StopRule):
-        """A model's steps for a new run: the dynamic path, or its static steps reset (built once per decoder, or
-        again when the run needs more positions: allocating a static cache and capturing its graphs takes
-        seconds). The draft's cache holds a whole iteration's expansions on top of its sequence: twice its top bucket
-        to start with (it grows if a tree needs more)."""
+        """A model's steps for a new run: the dynamic path, or the pair's static steps reset (built once per pair and
+        reused by every later run that fits, engine/steps.py `reuse_static`: allocating a static cache and capturing
+        its graphs takes seconds). The draft's cache holds a whole iteration's expansions on top of its sequence:
+        twice its top bucket to start with (it grows if a tree needs more)."""
         model = self.pair.target if role == "target" else self.pair.draft
         if not self.static:
             return DynamicSteps(model)
         buckets = choose_buckets(self.pair.costs, largest_rung(self.pair.costs, role), role)
         need = capacity(prompt_len, stop.max_new_tokens, buckets[-1] * (1 if role == "target" else 2))
-        steps = self._static.get(role)
-        if steps is None or steps.max_len < need or steps.buckets != buckets:
-            steps = self._static[role] = make_steps(model, "static", self.cuda_graphs, max_len=need, buckets=buckets)
-        steps.reset()
-        return steps
+        return reuse_static(self.pair.static_steps, role, model, need, buckets, self.cuda_graphs)
 
     def prefill(self, state: RunState, stop: StopRule) -> None:
         """The prompt fills the target cache; its last row gives the first token, the first root."""

@@ -36,11 +36,11 @@ class RunSpec:
     verifier: str = "auto"             # a rule's name, or "auto": the strategy's default rule
     stop_on_eos: bool = True
     stop_strings: tuple[str, ...] = ()
-    # How model forwards run (engine/steps.py): "dynamic" (today's growing cache), "static" (a preallocated cache,
-    # row-count buckets) or "auto" (static exactly when CUDA graphs are on). Graphs stay "off" by default until a
-    # GPU run has validated them (docs/gpu.md); "auto" turns them on for a CUDA device.
+    # How model forwards run (engine/steps.py): "dynamic" (a growing cache), "static" (a preallocated cache,
+    # row-count buckets) or "auto" (static exactly when CUDA graphs are on); graphs "auto" follow the pair (on only
+    # when it was loaded with graphs on: off by default until a GPU run validates them, docs/gpu.md).
     steps: str = "auto"
-    cuda_graphs: str = "off"
+    cuda_graphs: str = "auto"
 
     def prompt_key(self) -> str:
         return json.dumps(self.prompt, sort_keys=True, ensure_ascii=False)

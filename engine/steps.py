@@ -33,10 +33,14 @@ from engine import kv
 
 WARMUP_CALLS = 2  # eager calls on a side stream before a capture: first calls pick kernels and allocate workspaces
 BUCKET_SLACK = 0.10  # a row count may pay up to 10 % over its own measured cost for padding to a shared bucket
+# Captured steps are reused across runs while their cache is long enough, so a graphed cache is sized in whole steps
+# of this many positions: runs of similar length share one capture. On a GPU the unused columns cost little: one
+# single-row step of the 1.5B target attends over them in the same kernels (docs/experiments: 1,024 vs 8,192).
+GRAPH_CAPACITY_STEP = 1024
 _POOL = None  # the CUDA graph memory pool every StaticSteps shares (one per process)
 
 
-class StepsError(RuntimeError):
+class StepsError(ValueError):
     """Steps that cannot run here: CUDA graphs without CUDA, a forward that does not fit the static cache."""
 
 
@@ -82,6 +86,11 @@ def capacity(prompt_len: int, max_new_tokens: int, extra_rows: int) -> int:
     its largest tree, padded; the draft: every row it expands in one iteration, padded). Too small is correct but
     slow (the cache grows, graphs are captured again); too large makes every forward attend over unused columns."""
     return int(prompt_len) + int(max_new_tokens) + int(extra_rows)
+
+
+def graph_capacity(positions: int) -> int:
+    """`positions` rounded up to whole GRAPH_CAPACITY_STEPs: the length of a cache whose graphs are kept."""
+    return -(-int(positions) // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
 
 
 def causal_visibility(length: int, n: int) -> torch.Tensor:
@@ -336,6 +345,23 @@ def make_steps(model, kind: str = "auto", cuda_graphs: str = "auto", *, max_len:
     if max_len is None or not buckets:
         raise ValueError("static steps need max_len (steps.capacity) and buckets (steps.choose_buckets)")
     return StaticSteps(model, max_len, buckets, graphs=use_graphs(cuda_graphs, device), pool=pool)
+
+
+def reuse_static(kept: dict, role: str, model, need: int, buckets: tuple[int, ...], cuda_graphs: str):
+    """The static steps of `role` from `kept` (one dict per pair: role -> StaticSteps), reset for a new run, or new
+    ones when there are none, or they are too short for `need` positions, or their ladder or graph mode differ.
+    Capturing graphs takes seconds, so a pair keeps its steps across runs (the app's, the bench's): graphed caches are
+    sized in whole GRAPH_CAPACITY_STEPs so that runs of similar length share them. Runs on one pair are sequential
+    (the app holds the pair's lock while decoding), so one set of steps per role is enough."""
+    device = next(model.parameters()).device
+    graphs = use_graphs(cuda_graphs, device)
+    steps = kept.get(role)
+    if steps is None or steps.max_len < need or steps.buckets != tuple(buckets) or steps.graphs != graphs:
+        kept.pop(role, None)  # release the old graphs before capturing new ones
+        length = graph_capacity(need) if graphs else need
+        steps = kept[role] = make_steps(model, "static", cuda_graphs, max_len=length, buckets=buckets)
+    steps.reset()
+    return steps
 
 
 def largest_rung(costs, role: str = "target") -> int:

@@ -285,9 +285,10 @@ def test_decoder_on_static_steps_emits_what_dynamic_emits(related_pair, name, te
     """Every strategy, greedy and seeded sampling: the same tokens and the same acceptance, iteration by iteration."""
     from engine.sampling import Sampling
     sampling = Sampling(temperature=temperature, seed=7)
+    related_pair.static_steps.clear()  # the pair keeps its steps across runs: start from none
     dynamic, _ = decode(related_pair, name, "dynamic", sampling)
     static, decoder = decode(related_pair, name, "static", sampling)
-    assert isinstance(decoder._static["target"], StaticSteps)
-    assert isinstance(decoder._static.get("draft"), StaticSteps) == decoder.strategy.uses_draft
+    assert isinstance(related_pair.static_steps["target"], StaticSteps)
+    assert isinstance(related_pair.static_steps.get("draft"), StaticSteps) == decoder.strategy.uses_draft
     assert static.output_ids == dynamic.output_ids
     assert [it.accepted for it in static.iterations] == [it.accepted for it in dynamic.iterations]

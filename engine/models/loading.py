@@ -11,6 +11,7 @@ Model specs (either side):
   default-target / -draft  one side of the default pair, explicitly.
   tiny-random[-related | -identical | -unrelated]
                            tiny random Qwen2 with a byte-level tokenizer, built in memory (engine/models/tiny.py).
+  shape:NAME               a random model of a published shape (engine/models/shapes.py): timing only.
   a directory              a saved Hugging Face causal LM (config.json, weights, tokenizer).
   a path ending in .gguf   loaded (dequantised) through transformers' GGUF support.
   a hub id                 e.g. "EleutherAI/pythia-70m"; needs network access.
@@ -33,8 +34,10 @@ from engine.models.packaged import (LOAD_WORK, PACKAGED, preparation_work, prepa
                                     require_gguf_support)
 from engine.models.pair import ModelLoadError, ModelPair, check_rollbackable, check_same_vocab, short_error
 from engine.models.progress import Progress, say, span
+from engine.models.shapes import is_shape_spec, load_shape
 from engine.models.tiny import is_tiny_spec, load_tiny
 from engine.models.widths import match_draft_width
+from engine.steps import use_graphs
 from engine.vocab import VocabError, draft_vocab_ids, parse_draft_vocab, trim_head
 
 
@@ -135,8 +138,9 @@ def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | st
                                       progress=span(progress, cut, 1.0), reuse_tokenizer=tokenizer)
         return model, tok, display
 
-    if is_tiny_spec(spec):
-        model, tok, name = load_tiny(spec, role, dtype=dtype, device=device, tokenizer=tokenizer)
+    if is_tiny_spec(spec) or is_shape_spec(spec):
+        build = load_tiny if is_tiny_spec(spec) else load_shape
+        model, tok, name = build(spec, role, dtype=dtype, device=device, tokenizer=tokenizer)
         say(progress, 1.0, f"built {name}")
         return model, tok, name
 
@@ -193,7 +197,8 @@ PAIRS: dict[str, tuple[str, str]] = {
 def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "auto",
               device: torch.device | str = "auto", trust_remote_code: bool = False,
               packed: str = "auto", progress: Progress | None = None, draft_vocab: int | str | None = None,
-              draft_quant: str = "none", calibrate: bool = True, recalibrate: bool = False) -> ModelPair:
+              draft_quant: str = "none", calibrate: bool = True, recalibrate: bool = False,
+              cuda_graphs: str = "off") -> ModelPair:
     """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
 
     packed: "auto" | "on" | "off" -- give CPU linears a pre-packed oneDNN path (engine/kernels.py); "auto" does it
@@ -203,6 +208,9 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     "auto": both, and nothing on other devices), used at the row counts where the cost table measured them faster.
     calibrate: measure (or read from the disk cache) each model's forward cost per row count and path, and route
     every call to its fastest path (engine/costs.py); recalibrate measures again.
+    cuda_graphs: "auto" | "on" | "off" -- whether runs on this pair replay CUDA graphs (engine/steps.py; auto: on a
+    CUDA device), so that the cost table is measured on the steps the runs will take. Default "off": the captured
+    path has not yet been validated on a GPU (docs/gpu.md).
     """
     t0 = time.perf_counter()
     device = resolve_device(device)
@@ -220,7 +228,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
                                             progress=span(progress, split, 1.0), role="draft", tokenizer=t_tok)
         check_rollbackable(d_model.config, d_name)
         check_same_vocab(t_model, t_tok, t_name, d_model, d_tok, d_name)
-    pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name)
+    pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, graphs=use_graphs(cuda_graphs, device))
     try:
         prepare_kernels(pair, packed, draft_vocab, draft_quant, progress)
         if d_model is not None:  # a draft whose table differs by padding rows: the target's width (after trimming)

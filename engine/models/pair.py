@@ -6,7 +6,8 @@ decoder cannot decode exactly: caches that cannot be rolled back by copying rows
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -39,6 +40,9 @@ class ModelPair:
     costs: PairCosts | None = None  # measured forward costs (engine/costs.py); None: not calibrated
     draft_vocab: int | None = None  # the draft scores only this many frequent tokens (engine/vocab.py)
     draft_quant: str = "none"  # weight-only quantised paths of the draft's linears: none | int8 | int4 | auto
+    graphs: bool = False  # the cost table was measured on captured CUDA graphs (the steps GPU runs use)
+    # role -> StaticSteps kept across runs on this pair (engine/steps.py `reuse_static`): captured graphs live here
+    static_steps: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def routing(self) -> dict[str, str]:
         """Kernel path per row count of each model, e.g. {"target": "packed 1+", "draft": "int4 1-3, packed 4+"}."""

@@ -27,7 +27,7 @@ _TINY_INIT_STD = 0.5
 # Related draft = target + N(0, (0.01 * std)^2) per weight: ~75% greedy top-1 agreement, ~95% top-4.
 _TINY_DRAFT_NOISE = 0.01
 _TINY_KINDS = ("related", "identical", "unrelated")
-_TINY_TOKENIZER_NAME = "<treeviz tiny byte-level tokenizer>"
+TINY_TOKENIZER_NAME = "<treeviz tiny byte-level tokenizer>"
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -54,7 +54,7 @@ def tiny_tokenizer(extra_specials: Sequence[str] = ()) -> PreTrainedTokenizerFas
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
                                    additional_special_tokens=[*rest, *extra_specials])
     if not extra_specials:
-        fast.name_or_path = _TINY_TOKENIZER_NAME  # lets a tiny draft reuse the tiny target's tokenizer
+        fast.name_or_path = TINY_TOKENIZER_NAME  # lets a tiny draft reuse the tiny target's tokenizer
     fast.chat_template = _TINY_CHAT_TEMPLATE
     return fast
 
@@ -134,7 +134,8 @@ def tiny_random_pair(draft_kind: str | None = "related", seed: int = 0, dtype: t
             if model is not None:
                 pack_linears(model)
     return ModelPair(target, draft, tokenizer, device, dtype, _tiny_name(None, seed, num_layers),
-                     _tiny_name(draft_kind, seed, num_layers) if draft is not None else "none", packed=packed)
+                     _tiny_name(draft_kind, seed, num_layers) if draft is not None else "none", packed=packed,
+                     graphs=device.type == "cuda")
 
 
 
@@ -155,6 +156,6 @@ def load_tiny(spec: str, role: str, *, dtype: torch.dtype, device: torch.device,
     model, name = tiny_random_model(0), _tiny_name(None, 0, 2)
     if role == "draft":
         model, name = _tiny_draft(model, kind, 0), _tiny_name(kind, 0, 2)
-    if getattr(tokenizer, "name_or_path", None) != _TINY_TOKENIZER_NAME:
+    if getattr(tokenizer, "name_or_path", None) != TINY_TOKENIZER_NAME:
         tokenizer = tiny_tokenizer()
     return model.to(device=device, dtype=dtype), tokenizer, name
