@@ -79,7 +79,10 @@ class AutoSizer:
         return rates
 
     def observe(self, record: IterationRecord) -> int:
-        """Learn from a finished iteration and set the knob for the next; returns the new value."""
+        """Learn from a finished iteration and set the knob for the next; returns the new value. An iteration that
+        drafted with the lookup alone (engine/strategies/graft.py) says nothing about the model's tree: skipped."""
+        if record.extra.get("lookup_only"):
+            return self.strategy.size()
         evidence = drift_evidence(record)
         if evidence is not None:
             self.cost_records.append(evidence)

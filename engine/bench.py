@@ -4,16 +4,18 @@
 `hf-prompt-lookup` is transformers' prompt lookup decoding (`generate(prompt_lookup_num_tokens=10)`, no draft), the
 peer of the `lookup` strategy. Both run greedily only. A method names a strategy, optionally boolean switches of it
 and a preset: "dynatree+lookup@auto" is DynaTree with lookup grafted (engine/strategies/graft.py) on its auto preset,
-so "dynatree" and "dynatree+lookup" compare on the same prompts in one run.
+"dynatree-history" DynaTree with its history adaptation off, so variants of one strategy compare on the same prompts
+in one run, interleaved.
 `ar-compiled` is AR through torch.compile (engine/compiled.py), run beside the engine's eager AR where inductor can
 build it (`compiled_ar="auto"`); `ar-graph` is AR replaying the pair's captured single-row CUDA graph with nothing
-else in its loop (engine/graph_ar.py), run beside the engine's AR wherever the pair replays graphs. Throughput per method and prompt set = new tokens / wall time summed over prompts and
-repeats; speedup divides by the faster AR's throughput on the same prompts (every AR is decoded on each prompt right
+else in its loop (engine/graph_ar.py), run beside the engine's AR wherever the pair replays graphs. Throughput per
+method and prompt set = new tokens / wall time summed over prompts and repeats; speedup divides by the faster AR's throughput on the same prompts (every AR is decoded on each prompt right
 before the other methods, so drift of the machine cancels). Quality metrics (L-bar, l-bar, acceptance) average over
 iterations.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -21,7 +23,8 @@ import torch
 
 from engine.compiled import CompiledAR, compile_available
 from engine.graph_ar import GraphedAR
-from engine.metrics import DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off
+from engine.metrics import (DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off,
+                            lookup_work)
 from engine.models import ModelPair
 from engine.prompts import encode_prompt, load_prompt_set
 from engine.peers import hf_assisted, hf_prompt_lookup
@@ -41,25 +44,29 @@ COMPILED_AR_MODES = ("auto", "on", "off")
 
 
 def split_method(method: str, preset: str = "cpu") -> tuple[str, str]:
-    """"dynatree+lookup@auto" -> ("dynatree", "auto"): one bench run may compare presets and switches of a strategy,
-    interleaved."""
+    """"dynatree+lookup-history@auto" -> ("dynatree", "auto"): one bench run may compare presets and switches of a
+    strategy, interleaved."""
     name, _, own = method.partition("@")
-    return name.split("+")[0], own or preset
+    return re.split(r"[+-]", name)[0], own or preset
 
 
 def method_switches(method: str) -> dict[str, bool]:
-    """"dynatree+lookup@auto" -> {"lookup": True}: the strategy's boolean parameters this method turns on. A switch
-    the strategy does not take as a boolean parameter raises StrategyError."""
-    name, *switches = method.partition("@")[0].split("+")
+    """"dynatree+lookup-history@auto" -> {"lookup": True, "history": False}: the strategy's boolean parameters this
+    method turns on (+name) and off (-name). A switch the strategy does not take as a boolean parameter raises
+    StrategyError; AR baselines and peers (ar-compiled, hf-assisted, ...) have none."""
+    if method in AR_METHODS or method in PEERS:
+        return {}
+    name, *signed = re.split(r"([+-])", method.partition("@")[0])
     if name not in STRATEGIES:
         return {}
     kinds = {p.name: p.kind for p in STRATEGIES[name].params}
+    switches = {switch: sign == "+" for sign, switch in zip(signed[::2], signed[1::2])}
     for switch in switches:
         if kinds.get(switch) is not bool:
             flags = sorted(k for k, kind in kinds.items() if kind is bool)
             raise StrategyError(f"method {method!r}: {name} has no switch {switch!r}; its switches: "
                                 f"{', '.join(flags) or 'none'}")
-    return {switch: True for switch in switches}
+    return switches
 
 
 def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset: str = "cpu",
@@ -207,6 +214,7 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
                         for s in results[0].metrics["stage_s"]},
             "cost_drift": cost_drift(iters),
             "acceptance_by_source": acceptance_by_source(iters),
+            "lookup": lookup_work(iters),
         })
     return row
 
@@ -238,6 +246,10 @@ def format_table(report: dict[str, Any]) -> str:
             line += (f"; streaming-read bandwidth {costs['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
                      f"(AR GB/s = target weight bytes per step / AR's TPOT)")
         lines += ["", line]
+    looked = [f"{r['prompt_set']} {r['method']}: {100 * r['lookup']['share']:.2f} % of the time, lookup alone in "
+              f"{100 * r['lookup']['alone']:.0f} % of iterations" for r in report["rows"] if r.get("lookup")]
+    if looked:
+        lines += ["", "context lookup's own work (index queries, tree building): " + "; ".join(looked)]
     drifts = ((r, drift_off(r.get("cost_drift") or {})) for r in report["rows"])
     off = [f"{r['prompt_set']} {r['method']}: {text}" for r, text in drifts if text]
     if off:

@@ -260,7 +260,7 @@ class Decoder:
         root_pos = len(committed) - 1
         tree = DraftTree(root_token=committed[-1])
         if strategy.uses_context:  # context lookup: the committed stream, and the width of the target's rows
-            strategy.see_context(committed, vocab_size=state.width, device=pair.device)
+            strategy.see_context(committed, vocab_size=state.width, device=pair.device, costs=pair.costs)
         if drafter is not None:
             drafter.begin(tree, committed)
         strategy.build(drafter, tree)  # drafter None: a strategy without a draft (AR's build adds nothing)

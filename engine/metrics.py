@@ -80,6 +80,18 @@ def acceptance_by_source(iterations: list[IterationRecord]) -> dict[str, dict[st
     return {s: {"drafted": d, "accepted": a, "rate": a / d} for s, (d, a) in counts.items() if d}
 
 
+def lookup_work(iterations: list[IterationRecord]) -> dict[str, float]:
+    """The context lookup's own cost and use ({} when no iteration looked anything up): "share", the seconds of its
+    index queries and tree building (record.extra["lookup_s"]) over the iterations' total seconds; "alone", the
+    fraction of iterations a grafted strategy drafted with the lookup only (engine/strategies/graft.py)."""
+    looked = [it for it in iterations if "lookup_s" in it.extra]
+    total = sum(it.times.get("total", 0.0) for it in looked)
+    if not looked or total <= 0:
+        return {}
+    return {"share": sum(it.extra["lookup_s"] for it in looked) / total,
+            "alone": sum(bool(it.extra.get("lookup_only")) for it in looked) / len(looked)}
+
+
 def cost_ratios(costs: list[IterationCost]) -> dict[str, float]:
     """Measured ÷ predicted seconds of the draft and of the verification, summed over cost records (the decoder's
     per-iteration `IterationRecord.cost`); a stage nothing was predicted for is left out."""

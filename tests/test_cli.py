@@ -6,7 +6,7 @@ import pytest
 
 from engine.bench import run_method
 from engine.cli import main, strategy_docs
-from engine.strategies import STRATEGIES
+from engine.strategies import STRATEGIES, StrategyError
 
 
 def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
@@ -240,3 +240,13 @@ def test_bench_help_lists_the_grounded_set_and_the_lookup_peer(capsys):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "grounded" in text and "hf-prompt-lookup" in text and "dynatree+lookup" in text
+
+
+def test_method_names_turn_switches_on_and_off():
+    from engine.bench import method_switches, split_method
+    assert split_method("dynatree+lookup-history@auto") == ("dynatree", "auto")
+    assert method_switches("dynatree+lookup-history@auto") == {"lookup": True, "history": False}
+    assert method_switches("dynatree-history") == {"history": False}
+    assert method_switches("ar-compiled") == {} and method_switches("hf-prompt-lookup") == {}
+    with pytest.raises(StrategyError, match="no switch 'budget'"):
+        method_switches("dynatree-budget")  # a number is not a switch

@@ -245,3 +245,12 @@ def test_tree_title_says_what_the_neural_selector_chose():
     assert "selector chose (K, L1, L2) = (3, 0, 2), predicted 11.0 tok/s" in tree_figure(it).layout.title.text
     it.extra["selector"]["predicted_tokens_per_s"] = None  # a pair without a cost table
     assert tree_figure(it).layout.title.text.endswith("(3, 0, 2)")
+
+
+def test_tree_title_says_when_lookup_drafted_alone():
+    it = make_iteration()
+    assert "lookup alone" not in tree_figure(it).layout.title.text
+    it.extra["lookup_only"] = False
+    assert "lookup alone" not in tree_figure(it).layout.title.text
+    it.extra["lookup_only"] = True
+    assert "lookup alone (the draft model was skipped" in tree_figure(it).layout.title.text

@@ -427,3 +427,85 @@ def test_sources_survive_a_trace_round_trip_and_older_traces_read_as_model():
     assert SCHEMA_VERSION == 4
     assert all(s == ["root"] + ["model"] * (len(s) - 2) + ["target"]
                for s in ([n.source for n in it.nodes] for it in back.iterations))
+
+
+# -- the gate: lookup alone where this run's record says it is faster ------------------------------------------------
+def synthetic_costs(draft_s: float):
+    """A cost table where a target forward costs 1 s at any row count and a draft forward `draft_s`."""
+    from engine.costs import LADDER, ModelCosts, PairCosts
+    return PairCosts(ModelCosts("t", {"plain": {r: 1.0 for r in LADDER}}),
+                     ModelCosts("d", {"plain": {r: draft_s for r in LADDER}}))
+
+
+def test_gate_learns_both_sides_and_opens_only_when_lookup_is_faster():
+    from engine.strategies.graft import LookupGate
+    gate = LookupGate()
+    assert not gate.lookup_only(3, 1.0)  # no record yet: the model drafts
+    tree = DraftTree(root_token=4)
+    tree.add(tree.add(0, 5, 0.9), 7, 0.5)  # the model's own nodes: 5, then 7
+    gate.last = (False, 3, [5, 6, 7, 8], 2.0, tree)  # a model iteration (2 s predicted) with a 3-token match
+    gate.learn([5, 6, 9])  # committed 3 tokens; the lookup had the first 2 right, the model's nodes only the first
+    assert gate.lookup_tokens == {3: 2.0} and gate.model_rate == 1.5
+    assert gate.graft_gain == {3: 1.0}  # grafting the lookup would have added the "6"
+    assert gate.lookup_only(3, 1.0)  # (1 + 2) / 1 s beats 3 tokens / 2 s
+    assert not gate.lookup_only(3, 2.5)  # ... but not when verifying the lookup tree costs 2.5 s
+    assert not gate.lookup_only(2, 0.1)  # no record at this match length
+    assert not gate.lookup_only(0, 0.1)  # no match: nothing to draft
+    gate.last = (True, 3, [1, 2], 1.0, DraftTree(root_token=4))  # a lookup-only iteration, wrong from its first token
+    gate.learn([4])
+    assert gate.lookup_tokens[3] == pytest.approx(0.7 * 2.0) and gate.model_rate == 1.5  # the model's side unchanged
+    assert gate.graft_gain == {3: 1.0}  # learned from model iterations only
+
+
+@pytest.mark.parametrize("name", GRAFTED)
+def test_gated_graft_skips_the_draft_only_when_it_pays_and_stays_exact(name):
+    pair = tiny_random_pair("related", seed=0, dtype=torch.float32)
+    reference = Decoder(pair, make_strategy("ar")).generate(PROMPT, max_new_tokens=40, stop_on_eos=False)
+    alone = {}
+    for draft_s in (10.0, 1e-6):  # a draft forward 10x a target's: lookup alone pays; a free draft: never
+        pair.costs = synthetic_costs(draft_s)
+        result = Decoder(pair, make_strategy(name, lookup=True, lookup_min_match=1)).generate(
+            PROMPT, max_new_tokens=40, stop_on_eos=False)
+        assert result.output_ids == reference.output_ids
+        alone[draft_s] = [it for it in result.iterations if it.extra["lookup_only"]]
+        assert all(it.draft_forwards == 0 and {n.source for n in it.nodes[1:-1]} <= {"lookup"}
+                   for it in alone[draft_s])
+        assert all(it.extra["lookup_s"] >= 0 for it in result.iterations)
+    assert alone[10.0] and not alone[1e-6]
+    pair.costs = None
+    off = Decoder(pair, make_strategy(name, lookup=True, lookup_min_match=1, lookup_gate=False))
+    assert not any(it.extra["lookup_only"] for it in off.generate(PROMPT, max_new_tokens=20).iterations)
+
+
+def test_gated_graft_samples_reproducibly():
+    pair = tiny_random_pair("related", seed=0, dtype=torch.float32)
+    pair.costs = synthetic_costs(10.0)
+    runs = [Decoder(pair, make_strategy("dynatree", lookup=True, lookup_min_match=1),
+                    sampling=Sampling(temperature=0.8, seed=0)).generate(PROMPT, max_new_tokens=24, stop_on_eos=False)
+            for _ in range(2)]
+    assert runs[0].output_ids == runs[1].output_ids and len(runs[0].output_ids) == 24
+    assert [it.extra["lookup_only"] for it in runs[0].iterations] == [it.extra["lookup_only"]
+                                                                       for it in runs[1].iterations]
+
+
+
+def test_gate_leaves_out_lookup_rows_that_cost_more_than_they_return():
+    from engine.costs import LADDER, ModelCosts, PairCosts
+    from engine.strategies.graft import LookupGate
+    gate = LookupGate()
+    assert gate.worth_grafting(2, 100.0)  # no record: graft, and learn
+    gate.graft_gain, gate.model_rate = {2: 0.5}, 10.0  # grafting adds half a token on average; the model: 10 tok/s
+    assert gate.worth_grafting(2, 0.01) and not gate.worth_grafting(2, 0.1)
+    assert gate.worth_grafting(3, 100.0)  # no record at this match length
+    strategy = make_strategy("dynatree", lookup=True, lookup_min_match=1)
+    strategy.see_context(STREAM, vocab_size=10)
+    strategy.gate = gate
+    tree = DraftTree(root_token=STREAM[-1])
+    tree.add(0, 1, 0.5)
+    strategy.costs = PairCosts(ModelCosts("t", {"plain": {r: 0.1 * r for r in LADDER}}), None)  # 0.1 s a row
+    assert strategy.room(tree, budget=24, match=2) == 0  # 16 more rows cost 1.6 s: worth 16 tokens, not 0.5
+    strategy.costs = PairCosts(ModelCosts("t", {"plain": {r: 1.0 for r in LADDER}}), None)  # rows are free
+    assert strategy.room(tree, budget=24, match=2) == 23
+    strategy.costs = PairCosts(ModelCosts("t", {"plain": {r: 0.1 * r for r in LADDER}}), None)
+    strategy.config["lookup_gate"] = False
+    assert strategy.room(tree, budget=24, match=2) == 23  # the gate off: lookup fills what the budget leaves

@@ -47,6 +47,7 @@ def test_race_two_lanes_winner_and_lane_times_are_decode_times(client):
     plot, status, summary = job.result(timeout=180)
     statuses = " ".join(str(o[RACE_STATUS]) for o in job.outputs())
     assert "decoding AR unobserved (1 of 2)" in statuses  # measured fresh though the cache had it
+    assert statuses.index("warming up 2 lanes") < statuses.index("decoding AR unobserved")  # untimed warm-up first
     assert not any(o[RACE_PLOT] not in (None, {"__type__": "update"}) for o in job.outputs()[:-1]), \
         "a race draws nothing while its lanes decode"
     lanes = summary["lanes"]

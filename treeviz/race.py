@@ -1,10 +1,11 @@
 """The race: AR and one or more tree strategies on the same prompt, one lane each, the text growing at the pace each
 run decoded it.
 
-The runs were decoded unobserved (nothing drawn while they ran, so the drawing cost no decoding time) and are
-REPLAYED here from their measured timestamps (engine.timeline.token_timeline): every iteration's committed tokens
-appear at the cumulative measured time of that iteration, so a lane finishes at its run's measured decode time. The
-animation's frames sit on one uniform clock shared by every lane; "1×" plays them in real time.
+The runs were warmed up (a short untimed run each, as the bench does), then decoded unobserved (nothing drawn while
+they ran, so the drawing cost no decoding time) and are REPLAYED here from their measured timestamps
+(engine.timeline.token_timeline): every iteration's committed tokens appear at the cumulative measured time of that
+iteration, so a lane finishes at its run's measured decode time. The animation's frames sit on one uniform clock
+shared by every lane; "1×" plays them in real time.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from engine.trace import RunResult
 from treeviz.html import TOKEN_KIND_STYLE
 
 AR = "ar"
-NOTE = "decoded unobserved, replayed from measured timestamps"
+NOTE = "each lane warmed up, then decoded unobserved; replayed from measured timestamps"
 WRAP = 64              # characters per text line in a lane
 FRAME_S = 0.05         # the finest clock step (a browser redraws a few lanes in well under 50 ms)
 MAX_FRAMES = 150       # a long run gets coarser steps rather than a heavy page

@@ -12,6 +12,7 @@ SWEEP_OUTPUTS (the sweep figure, a status line, the sweep as JSON). API callers 
 from __future__ import annotations
 
 import html
+from dataclasses import replace
 from typing import Any, Iterator
 
 import gradio as gr
@@ -32,7 +33,9 @@ RACE_OUTPUTS = ("race_runs", "race_plot", "status", "race_summary")
 SWEEP_OUTPUTS = ("sweep_plot", "status", "sweep_summary")
 DEFAULT_RACE = ("dynatree",)
 FAIR = ("fair measurement: AR and every strategy decoded back to back in this request, on the same prompt and "
-        "settings, unobserved (nothing drawn while they ran), AR measured fresh (not reused from the cache)")
+        "settings, unobserved (nothing drawn while they ran), AR measured fresh (not reused from the cache). AR is "
+        "the engine's own eager loop, as every strategy here runs eagerly; a compiled AR (torch.compile, the "
+        "bench's ar-compiled) can be faster on a CPU, so `python -m engine bench` divides by the faster of both")
 # A sweep is (points + 1) whole runs (AR once) of max_new_tokens each, and it holds the pair's run lock throughout:
 # every other Run on the pair waits for it. The default pair writes about 15 tokens/s on the 2-core CPU this app is
 # sized for, so 4096 tokens is about 4-5 minutes, the longest a page should hold the pair. Longer sweeps belong in
@@ -82,7 +85,7 @@ def race(prompt: str, chat: bool, pair: str, strategies: list[str], max_new_toke
 
 
 def _race_seconds(lanes: list[tuple[str, RunSpec]], session: str) -> int:
-    return min(GPU_SECONDS_MAX, 20 + len(lanes) * lanes[0][1].max_new_tokens // 4)
+    return min(GPU_SECONDS_MAX, 20 + len(lanes) * (lanes[0][1].max_new_tokens + WARM_UP_TOKENS) // 4)
 
 
 @gpu(duration=_race_seconds)
@@ -110,9 +113,18 @@ def _race_updates(lanes: list[tuple[str, RunSpec]], session: str) -> Iterator[tu
         yield status_update("race stopped: nothing to show until every lane has finished", names=RACE_OUTPUTS)
 
 
+WARM_UP_TOKENS = 8  # a short untimed run of every lane first, as the bench does: first calls pay for allocation
+
+
 def _decode_lanes(pair, lanes: list[tuple[str, RunSpec]], cancel) -> Iterator[Status | list]:
-    """Each lane decoded to its end, one after the other, nothing streamed; the list of (label, RunResult) last
-    (nothing if cancelled)."""
+    """Every lane warmed up (a short run, discarded), then each decoded to its end, one after the other, nothing
+    streamed; the list of (label, RunResult) last (nothing if cancelled). Without the warm-up the first lane, AR,
+    would pay for the allocator's growth and kernel selection alone and read slow."""
+    yield Status(f"race: warming up {len(lanes)} lanes (short runs, not timed)…")
+    for _, spec in lanes:
+        short = replace(spec, max_new_tokens=min(WARM_UP_TOKENS, spec.max_new_tokens))
+        if (yield from BACKEND.iterate(pair, short, cancel, stream=False)) is None:
+            return
     runs = []
     for k, (label, spec) in enumerate(lanes, start=1):
         yield Status(f"race: decoding {label} unobserved ({k} of {len(lanes)})…")

@@ -247,6 +247,8 @@ def tree_figure(iteration: IterationRecord | None, frame: dict[str, list[float]]
                  f"{iteration.accepted} accepted + bonus "
                  f"'{visible_token(iteration.bonus_text)}', {iteration.times.get('total', 0) * 1000:.0f} ms")
         title += selector_caption(iteration.extra.get("selector"))
+        if iteration.extra.get("lookup_only"):
+            title += " · lookup alone (the draft model was skipped: lookup measured faster here)"
         if len(nodes) > LARGE_TREE:
             title += " (labels on the accepted path only)"
     span = frame["y"][1] - frame["y"][0]

@@ -138,10 +138,11 @@ class Strategy:
             self.config[self.auto_param] = before
             raise
 
-    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None) -> None:
+    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
         """Called before each `build` when `uses_context`: every committed token so far (prompt + generated, ending
-        with the next tree's root), and the width and device of the target's logits rows (a draft distribution the
-        strategy records must match them: the sampling rules compare it with p)."""
+        with the next tree's root), the width and device of the target's logits rows (a draft distribution the
+        strategy records must match them: the sampling rules compare it with p), and the pair's measured cost table
+        (engine/costs.py PairCosts; None when the pair has none)."""
 
     def sizes(self) -> range:
         """The values of the size knob `resize` accepts, as the `auto` sizer may try them (none without a knob)."""

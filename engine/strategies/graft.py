@@ -10,6 +10,14 @@ naming its own tree builder `build_model` (DynaTree, DySpec, DDTree). With `look
 - Where branches attach: first under the root, merged through the model's nodes (a continuation that starts like a
   model path reuses those nodes, marked "both", and goes on below them); then, with room left, below the model's most
   probable leaf, looked up with that leaf's path as context (the model's best guess, continued from the context).
+- The gate (`lookup_gate`, on by default with the switch), from this run's record (`LookupGate`, learned every
+  iteration from what was committed) and the pair's measured cost table (engine/costs.py; never wall time, so the
+  choice is a function of the context and a seeded run repeats):
+  - an iteration whose context the lookup matches may skip the draft model altogether and verify the lookup's tree
+    alone (the whole budget), when that is expected to decode faster: tokens per predicted second, lookup alone at
+    the current match length against the model's tree;
+  - a model iteration gets no lookup rows when the lookup's expected tokens at this match length are worth less
+    than the verification time its rows add, at the model's rate.
 - Lossless: lookup children are deterministic ("topk") and are never added beside sampled siblings
   (engine/lookup.py). DynaTree, DySpec and DDTree draw "topk" children only, so a grafted tree holds "topk" children
   only and the rules that accept the model's trees accept it (greedy, token matching / NSS, NaiveTree, SpecInfer,
@@ -17,6 +25,7 @@ naming its own tree builder `build_model` (DynaTree, DySpec, DDTree). With `look
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from engine.lookup import LookupIndex, build_lookup_tree, follow
@@ -36,7 +45,86 @@ GRAFT_PARAMS = (
           f"shortest suffix of the context that may be looked up (the longest is {MAX_MATCH})"),
     Param("lookup_continuations", 2, 1, 32, 1, "lookup continuations",
           f"distinct continuations (up to {MAX_LEN} tokens each) merged in per attachment point"),
+    Param("lookup_gate", True, label="lookup gate (measured)",
+          help="from this run's record of lookup hits and the pair's cost table: skip the draft model where the "
+               "lookup tree alone decodes faster, and add no lookup rows where they cost more than they return"),
 )
+SMOOTHING = 0.3  # weight of the newest iteration in the gate's running means
+
+
+class LookupGate:
+    """Whether an iteration drafts with the lookup alone, and whether a model iteration gets lookup rows, from this
+    run's record.
+
+    After every iteration the tokens it committed are compared with what was proposed at that root, per match length
+    of the lookup there: how many leading tokens of the lookup's best continuation were right (what a lookup-only
+    tree would have had accepted: at least that many, since the iteration may have stopped first), and how many of
+    those lay beyond the path the model's own nodes had right (what grafting added: the lookup's marginal gain; it is
+    learned whether or not the lookup was grafted, so leaving it out does not stop the learning). Beside them, the
+    model iterations' tokens per predicted second. An iteration goes lookup-only when (1 + expected lookup tokens) /
+    its predicted seconds beats the model's rate; a model iteration gets lookup rows when their expected gain beats
+    what the model earns in the seconds those rows add. Until there is a record, the model drafts and lookup is
+    grafted."""
+
+    def __init__(self):
+        self.lookup_tokens: dict[int, float] = {}  # match length -> running mean of tokens the lookup had right
+        self.graft_gain: dict[int, float] = {}  # match length -> ... of those beyond the model's own right path
+        self.model_rate: float | None = None  # running mean of a model iteration's tokens per predicted second
+        # the last iteration: (lookup only, match, the lookup's best continuation, predicted seconds, its tree)
+        self.last: tuple[bool, int, list[int], float, DraftTree] | None = None
+
+    def learn(self, committed: list[int]) -> None:
+        """The tokens the last iteration committed (accepted + bonus)."""
+        if self.last is None or not committed:
+            return
+        alone, match, continuation, seconds, tree = self.last
+        if match:
+            right = _common(continuation, committed)
+            self.lookup_tokens[match] = _mean(self.lookup_tokens.get(match), right)
+            if not alone:
+                gain = max(0, right - len(model_right_path(tree, committed)))
+                self.graft_gain[match] = _mean(self.graft_gain.get(match), gain)
+        if not alone and seconds > 0:
+            self.model_rate = _mean(self.model_rate, len(committed) / seconds)
+        self.last = None
+
+    def worth_grafting(self, match: int, extra_s: float) -> bool:
+        """Whether lookup rows that add `extra_s` predicted seconds of verification to a model iteration are expected
+        to add more tokens than the model's rate earns in that time. With no record yet, yes (as with the gate
+        off)."""
+        expected = self.graft_gain.get(match)
+        if expected is None or self.model_rate is None:
+            return True
+        return expected > self.model_rate * extra_s
+
+    def lookup_only(self, match: int, seconds: float) -> bool:
+        """Whether a lookup-only tree at this match length, predicted to take `seconds`, decodes faster."""
+        expected = self.lookup_tokens.get(match)
+        if not match or expected is None or self.model_rate is None or seconds <= 0:
+            return False
+        return (1.0 + expected) / seconds > self.model_rate
+
+
+def _common(proposed: list[int], committed: list[int]) -> int:
+    """How many leading tokens of `proposed` were committed."""
+    return next((i for i, (a, b) in enumerate(zip(proposed, committed)) if a != b), min(len(proposed), len(committed)))
+
+
+def model_right_path(tree: DraftTree, committed: list[int]) -> list[int]:
+    """The leading committed tokens the model's own nodes (source "model" or "both") hold as a path from the root
+    (a lookup node, or none, ends it)."""
+    path, node = [], 0
+    for token in committed:
+        child = tree.child_with_token(node, token)
+        if child is None or tree.source[child] not in ("model", "both"):
+            break
+        path.append(token)
+        node = child
+    return path
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
 class LookupGraft:
@@ -50,29 +138,81 @@ class LookupGraft:
         if self.uses_context:
             self.child_modes_used = tuple(dict.fromkeys((*self.child_modes_used, "topk")))
         self.index = LookupIndex(self.config["lookup_min_match"], MAX_MATCH)
-        self.vocab_size, self.device = None, None
+        self.gate = LookupGate()
+        self.vocab_size, self.device, self.costs, self.alone = None, None, None, False
 
     def build_model(self, drafter, tree: DraftTree) -> None:
         raise NotImplementedError
 
-    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None) -> None:
+    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
         """Extend the index with the tokens committed since the last call (rebuilt when the context changed: a new
-        run)."""
-        self.index = follow(self.index, tokens)
+        run, which also starts a new gate record); the gate learns from those tokens."""
+        seen = len(self.index.tokens)
+        fresh = follow(self.index, tokens)
+        if fresh is not self.index or not seen:
+            self.gate = LookupGate()
+        else:
+            self.gate.learn(tokens[seen:])
+        self.index = fresh
         self.vocab_size, self.device = vocab_size or self.vocab_size, device or self.device
+        self.costs = costs if costs is not None else self.costs
 
     def build(self, drafter, tree: DraftTree) -> None:
-        """The model's tree under the budget less the lookup reservation, then the lookup branches (switch on)."""
+        """The model's tree under the budget less the lookup reservation, then the lookup branches (switch on); or,
+        where the gate says so, the lookup's tree alone under the whole budget. tree.extra records "lookup_only" and
+        "lookup_s", the seconds the lookup's own work took (index queries and grafting; no model forward)."""
+        self.alone = False
         if not self.config["lookup"]:
             self.build_model(drafter, tree)
             return
         budget = self.config["budget"]
-        self.config["budget"] = budget - min(self.config["lookup_budget"], budget // 2)
-        try:
-            self.build_model(drafter, tree)
-        finally:
-            self.config["budget"] = budget
-        self.graft(tree, budget - tree.num_drafted)
+        start = time.perf_counter()
+        best, match, alone_s = self.probe(len(tree), budget)
+        self.alone = bool(self.config["lookup_gate"]) and self.gate.lookup_only(match, alone_s)
+        lookup_s = time.perf_counter() - start
+        if not self.alone:
+            self.config["budget"] = budget - min(self.config["lookup_budget"], budget // 2)
+            try:
+                self.build_model(drafter, tree)
+            finally:
+                self.config["budget"] = budget
+        start = time.perf_counter()
+        self.graft(tree, self.room(tree, budget, match))
+        tree.extra["lookup_s"] = lookup_s + time.perf_counter() - start
+        tree.extra["lookup_only"] = self.alone
+        seconds = alone_s if self.alone else self.predicted_s(drafter.row_counts, len(tree))
+        self.gate.last = (self.alone, match, best, seconds, tree)
+
+    def probe(self, rows: int, budget: int) -> tuple[list[int], int, float]:
+        """The lookup's best continuation at the root, its match length, and the predicted seconds of verifying a
+        lookup-only tree (at most the budget, or every continuation's tokens)."""
+        found = self.index.continuations(1, MAX_LEN) if self.index.tokens else []
+        best, match = (found[0][0], self.index.last_match) if found else ([], 0)
+        size = rows + min(budget, self.config["lookup_continuations"] * MAX_LEN)
+        return best, match, self.predicted_s([], size)
+
+    def room(self, tree: DraftTree, budget: int, match: int) -> int:
+        """Nodes the lookup may add: what the budget leaves; none in a model iteration where the gate's record says
+        the lookup's rows would cost more verification time than they return (the graft must not cost where it does
+        not help)."""
+        room = budget - tree.num_drafted
+        if self.alone or not self.config["lookup_gate"] or room <= 0:
+            return room
+        rows = len(tree) + min(room, self.config["lookup_continuations"] * MAX_LEN)
+        extra_s = self.predicted_s([], rows) - self.predicted_s([], len(tree))
+        return room if self.gate.worth_grafting(match, extra_s) else 0
+
+    def predicted_s(self, draft_rows: list[int], verify_rows: int) -> float:
+        """An iteration's seconds as the pair's cost table predicts them (0 without a table: the gate stays shut)."""
+        if self.costs is None:
+            return 0.0
+        return self.costs.predict(draft_rows, verify_rows, context=len(self.index.tokens))["total_s"]
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        """The model strategy's feedback (DynaTree's history), except after a lookup-only iteration: the model
+        drafted nothing then."""
+        if not self.alone:
+            super().observe(accepted, drafted)
 
     def graft(self, tree: DraftTree, room: int) -> list[int]:
         """Merge lookup branches into `tree` within `room` new nodes: under the root, then below the model's most

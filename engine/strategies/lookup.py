@@ -7,6 +7,8 @@ temperature (Naive and Block too when `max_continuations` = 1, a single chain). 
 and refuse it. The "paper" preset is prompt lookup decoding's (Saxena 2023; transformers' `prompt_lookup_num_tokens`):
 one continuation of up to 10 tokens, matches of 3 tokens down to 1.
 """
+import time
+
 from engine.lookup import LookupIndex, build_lookup_tree, follow
 from engine.strategies.base import Param, Strategy, StrategyError
 
@@ -42,12 +44,14 @@ class Lookup(Strategy):
         self.vocab_size, self.device = None, None  # of the target's rows, from see_context
         self.chain = c["max_continuations"] == 1  # one continuation: a single path, for the chain rules
 
-    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None) -> None:
+    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
         """Extend the index with the tokens committed since the last call (rebuild it if the context changed)."""
         self.index = follow(self.index, tokens)
         self.vocab_size, self.device = vocab_size or self.vocab_size, device or self.device
 
     def build(self, drafter, tree) -> None:
         c = self.config
+        start = time.perf_counter()
         build_lookup_tree(tree, self.index, c["budget"], c["max_continuations"], c["max_len"],
                           vocab_size=self.vocab_size, device=self.device)
+        tree.extra["lookup_s"] = time.perf_counter() - start  # the lookup's own work: the whole draft
