@@ -446,7 +446,7 @@ def test_gate_learns_both_sides_and_opens_only_when_lookup_is_faster():
     gate.last = (False, 3, [5, 6, 7, 8], 2.0, tree)  # a model iteration (2 s predicted) with a 3-token match
     gate.learn([5, 6, 9])  # committed 3 tokens; the lookup had the first 2 right, the model's nodes only the first
     assert gate.lookup_tokens == {3: 2.0} and gate.model_rate == 1.5
-    assert gate.graft_gain == {3: 1.0}  # grafting the lookup would have added the "6"
+    assert gate.graft_gain == {3: 1.0} and gate.any_gain == 1.0  # grafting the lookup would have added the "6"
     assert gate.lookup_only(3, 1.0)  # (1 + 2) / 1 s beats 3 tokens / 2 s
     assert not gate.lookup_only(3, 2.5)  # ... but not when verifying the lookup tree costs 2.5 s
     assert not gate.lookup_only(2, 0.1)  # no record at this match length
@@ -496,7 +496,9 @@ def test_gate_leaves_out_lookup_rows_that_cost_more_than_they_return():
     assert gate.worth_grafting(2, 100.0)  # no record: graft, and learn
     gate.graft_gain, gate.model_rate = {2: 0.5}, 10.0  # grafting adds half a token on average; the model: 10 tok/s
     assert gate.worth_grafting(2, 0.01) and not gate.worth_grafting(2, 0.1)
-    assert gate.worth_grafting(3, 100.0)  # no record at this match length
+    assert gate.worth_grafting(3, 100.0)  # no record at this match length, nor over all of them
+    gate.any_gain = 0.2
+    assert gate.worth_grafting(3, 0.01) and not gate.worth_grafting(3, 0.05)  # the record over all match lengths
     strategy = make_strategy("dynatree", lookup=True, lookup_min_match=1)
     strategy.see_context(STREAM, vocab_size=10)
     strategy.gate = gate

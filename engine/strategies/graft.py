@@ -69,6 +69,7 @@ class LookupGate:
     def __init__(self):
         self.lookup_tokens: dict[int, float] = {}  # match length -> running mean of tokens the lookup had right
         self.graft_gain: dict[int, float] = {}  # match length -> ... of those beyond the model's own right path
+        self.any_gain: float | None = None  # the same over every match length (a short run sees few of each)
         self.model_rate: float | None = None  # running mean of a model iteration's tokens per predicted second
         # the last iteration: (lookup only, match, the lookup's best continuation, predicted seconds, its tree)
         self.last: tuple[bool, int, list[int], float, DraftTree] | None = None
@@ -84,15 +85,16 @@ class LookupGate:
             if not alone:
                 gain = max(0, right - len(model_right_path(tree, committed)))
                 self.graft_gain[match] = _mean(self.graft_gain.get(match), gain)
+                self.any_gain = _mean(self.any_gain, gain)
         if not alone and seconds > 0:
             self.model_rate = _mean(self.model_rate, len(committed) / seconds)
         self.last = None
 
     def worth_grafting(self, match: int, extra_s: float) -> bool:
         """Whether lookup rows that add `extra_s` predicted seconds of verification to a model iteration are expected
-        to add more tokens than the model's rate earns in that time. With no record yet, yes (as with the gate
-        off)."""
-        expected = self.graft_gain.get(match)
+        to add more tokens than the model's rate earns in that time: the record at this match length, else over all
+        match lengths. With no record yet, yes (as with the gate off)."""
+        expected = self.graft_gain.get(match, self.any_gain)
         if expected is None or self.model_rate is None:
             return True
         return expected > self.model_rate * extra_s
