@@ -239,14 +239,14 @@ def cmd_bench(args) -> int:
     methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
     preset = _preset(args, [split_method(m)[0] for m in methods])
     names = {m: split_method(m, preset) for m in methods}
-    for m, (name, preset) in names.items():
+    for m, (name, own) in names.items():  # `own`: the method's preset (named apart: `preset` is every method's default)
         if m not in (*PEERS, *AR_METHODS) and name not in STRATEGIES:
             raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, {', '.join(PEERS)}, "
                                 f"ar-compiled, ar-graph (a strategy may name switches and its preset: "
                                 f"dynatree+lookup@auto)")
         method_switches(m)
-        if name in STRATEGIES and preset not in STRATEGIES[name].preset_names():
-            raise StrategyError(f"{name} has no preset {preset!r}; choose from {STRATEGIES[name].preset_names()}")
+        if name in STRATEGIES and own not in STRATEGIES[name].preset_names():
+            raise StrategyError(f"{name} has no preset {own!r}; choose from {STRATEGIES[name].preset_names()}")
     params = {name: _strategy_params(args, name, strict=False) for name, _ in names.values() if name in STRATEGIES}
     pair = _load(args)
     report = bench(pair, methods, args.prompt_set, args.max_new_tokens, args.repeats, args.limit, preset,

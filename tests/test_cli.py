@@ -250,3 +250,21 @@ def test_method_names_turn_switches_on_and_off():
     assert method_switches("ar-compiled") == {} and method_switches("hf-prompt-lookup") == {}
     with pytest.raises(StrategyError, match="no switch 'budget'"):
         method_switches("dynatree-budget")  # a number is not a switch
+
+
+def test_bench_runs_a_method_without_a_preset_on_the_default_one_whatever_the_last_method_names(monkeypatch):
+    """`--strategies fixed,fixed@auto`: `fixed` runs the command's preset (cpu), not the last method's (auto). The
+    loop checking the methods once rebound the default preset to the last method's, so every plain method ran at
+    `auto` whenever the list ended with an `@auto` method."""
+    import engine.bench
+    import engine.cli
+    seen = {}
+
+    def fake_bench(pair, methods, prompt_set, max_new_tokens, repeats, limit, preset, params, **kwargs):
+        seen["preset"] = preset
+        return {"rows": [], "config": {}}
+
+    monkeypatch.setattr(engine.bench, "bench", fake_bench)
+    monkeypatch.setattr(engine.cli, "_load", lambda args: None)
+    assert main(["bench", "--pair", "tiny-random", "--preset", "cpu", "--strategies", "ar,fixed,fixed@auto"]) == 0
+    assert seen["preset"] == "cpu"
