@@ -273,6 +273,24 @@ def test_stop_cancels_a_run_in_flight_and_the_pair_stays_usable(client):
     assert "12 tokens in" in out[STATUS]
 
 
+def test_a_newer_request_supersedes_only_its_own_view_and_stop_cancels_every_view():
+    """A slider released while a race decodes starts a Run: it must not cancel the race (it did, and the race's
+    status then stayed at "warming up" for good); a newer race does. Stop cancels everything the session runs."""
+    from treeviz.runs import Backend, request_key
+    backend = Backend()
+    race = backend.begin(request_key("s1", "race"))
+    run = backend.begin(request_key("s1", "run"))
+    other = backend.begin(request_key("s2", "run"))
+    assert not race.is_set() and not run.is_set()
+    newer_race = backend.begin(request_key("s1", "race"))
+    assert race.is_set() and race.superseded and not newer_race.is_set()
+    assert backend.stop("s1")
+    assert run.is_set() and newer_race.is_set() and not run.superseded and not other.is_set()
+    assert not backend.stop("s1")  # nothing left running: the Stop button says so
+    backend.end(request_key("s1", "run"), run)
+    assert backend.cancel_of(request_key("s1", "run")) is not run
+
+
 def test_preset_and_example_update_controls(client):
     entries = [(s, p) for s, cls in STRATEGIES.items() for p in cls.params]  # the controls, in page order
     out = client.predict("dynatree", "paper", api_name="/on_preset")

@@ -1,9 +1,10 @@
 """The teaching views in a real headless Chromium (Debian's /usr/bin/chromium): the step-through walks draft ->
 verify -> commit, the race shows two lanes and a winner, the sweep draws, Stop stops a sweep.
 
-Its own module, named to run before test_ui_default_pair.py: after that module loads the default pair into the shared
-test app and switches back to tiny-random, this test's race did not finish within 180 s in the full suite (it passes
-on its own and after every other UI module); the cause is not found yet.
+Editing "max new tokens" (a slider: leaving its box releases it) starts a Run, as live tuning does, at the moment the
+Race or Sweep button is clicked. Before each view had its own cancel flag, that Run superseded the race whenever it
+reached the server a few milliseconds after it, and the race's status stayed at "warming up" for good (this test
+timed out now and then in the full suite); the race now goes on and the Run waits for the pair.
 """
 from __future__ import annotations
 
@@ -58,8 +59,11 @@ def test_race_step_through_and_sweep_in_a_real_browser(tmp_path):
         page.locator("#tv-max-new input[type=number]").fill("32")
         page.get_by_role("tab", name="Race", exact=True).click()
         page.click("#tv-race-btn")
-        page.wait_for_function("document.querySelector('#tv-race-status').innerText.includes('winner')",
-                               timeout=180_000)
+        race_status = "document.querySelector('#tv-race-status').innerText"
+        try:
+            page.wait_for_function(f"{race_status}.includes('winner')", timeout=180_000)
+        except Exception as err:  # say where the race stood, not only that it timed out
+            raise AssertionError(f"no winner; race status: {page.evaluate(race_status)!r}") from err
         assert "fair measurement" in page.locator("#tv-race-status").inner_text()
         lanes = page.evaluate("() => document.querySelector('#tv-race .js-plotly-plot').data"
                               ".filter(t => t.mode === 'text' && t.x[0] === 0).map(t => t.text[0])")

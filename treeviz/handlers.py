@@ -27,7 +27,7 @@ from treeviz.charts_teaching import acceptance_histogram_figure
 from treeviz.errors import USER_FACING, UserError, friendly_error
 from treeviz.gpu import GPU_SECONDS_MAX, gpu, is_zero_gpu_error, zero_gpu_message
 from treeviz.html import ar_source_text
-from treeviz.runs import BACKEND, Cancel, Status, Step
+from treeviz.runs import BACKEND, Cancel, Status, Step, request_key
 from treeviz.throttle import UpdateThrottle
 from treeviz.tree_figure import grow_frame, small_multiples
 from treeviz.views import (MEASURING_BADGE, PENDING_BADGE, RUN_OUTPUTS, compare_row, compare_table,
@@ -81,16 +81,17 @@ def wait_for_pair(name: str, cancel: Cancel, names: tuple[str, ...] = RUN_OUTPUT
 
 # -- the skeleton Run and Compare share ----------------------------------------------------------------------------
 def in_session(request: gr.Request, spec: RunSpec, names: tuple[str, ...], opening: tuple,
-               work: Callable[[str], Iterator[tuple]]) -> Iterator[tuple]:
-    """One request's run in its browser session (a newer one cancels it): the opening update, the wait for the
-    pair (CPU side), then `work(session)` (the GPU side); its errors as one plain status line."""
-    session = request.session_hash or "default"
-    cancel = BACKEND.begin(session)
+               work: Callable[[str], Iterator[tuple]], view: str = "run") -> Iterator[tuple]:
+    """One request's run in its browser session (a newer one for the same `view` cancels it): the opening update,
+    the wait for the pair (CPU side), then `work(key)` (the GPU side; `key` names its cancel flag); its errors as one
+    plain status line."""
+    key = request_key(request.session_hash or "default", view)
+    cancel = BACKEND.begin(key)
     try:
         yield opening
         yield from wait_for_pair(spec.pair, cancel, names)
         if not cancel.is_set():
-            yield from work(session)
+            yield from work(key)
     except UserError as err:
         yield status_update(str(err), error=True, names=names)
     except gr.Error as err:
@@ -98,7 +99,7 @@ def in_session(request: gr.Request, spec: RunSpec, names: tuple[str, ...], openi
             raise
         yield status_update(zero_gpu_message(err), error=True, names=names)
     finally:
-        BACKEND.end(session, cancel)
+        BACKEND.end(key, cancel)
 
 
 def loaded_pair(spec: RunSpec, button: str):
@@ -229,7 +230,7 @@ def run_status(result) -> str:
 
 
 def stop(request: gr.Request) -> str:
-    """Stop button: raise the session's cancel flag (Gradio's `cancels=` ends the handler itself)."""
+    """Stop button: raise the session's cancel flags, every view's (Gradio's `cancels=` ends the handlers)."""
     if not BACKEND.stop(request.session_hash or "default"):
         gr.Info("Nothing is running.")
         return gr.skip()

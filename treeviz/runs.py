@@ -49,8 +49,17 @@ class Done:
     ar: RunResult | None = None
 
 
+def request_key(session: str, view: str) -> str:
+    """The cancel flag's key of one browser session's requests for one view: "run" (Run and Compare, which share
+    the main views), "race" or "sweep". A newer request supersedes only the older one of its own view, so a slider
+    released while a race decodes re-runs the Run view (after the race, on the pair's lock) instead of silently
+    killing the race."""
+    return f"{session}/{view}"
+
+
 class Backend:
-    """The pair, the AR cache and one cancel flag per browser session (a new run of a session cancels the old)."""
+    """The pair, the AR cache and one cancel flag per browser session and view (a new request cancels the older one
+    of the same view; Stop cancels all of the session's)."""
 
     def __init__(self):
         self.pairs = PairManager()
@@ -59,31 +68,32 @@ class Backend:
         self._lock = threading.Lock()
 
     # -- sessions ----------------------------------------------------------------------------------------------------
-    def begin(self, session: str) -> Cancel:
+    def begin(self, key: str) -> Cancel:
+        """A fresh cancel flag for request `key` (request_key), superseding the older request under that key."""
         cancel = Cancel()
         with self._lock:
-            old = self._cancels.get(session)
+            old = self._cancels.get(key)
             if old is not None:
                 old.set(superseded=True)
-            self._cancels[session] = cancel
+            self._cancels[key] = cancel
         return cancel
 
-    def cancel_of(self, session: str) -> Cancel:
+    def cancel_of(self, key: str) -> Cancel:
         with self._lock:
-            return self._cancels.setdefault(session, Cancel())
+            return self._cancels.setdefault(key, Cancel())
 
     def stop(self, session: str) -> bool:
+        """Cancel every running request of browser session `session`; False if none was running."""
         with self._lock:
-            cancel = self._cancels.get(session)
-        if cancel is not None and not cancel.is_set():
+            running = [c for key, c in self._cancels.items() if key.partition("/")[0] == session and not c.is_set()]
+        for cancel in running:
             cancel.set()
-            return True
-        return False
+        return bool(running)
 
-    def end(self, session: str, cancel: Cancel) -> None:
+    def end(self, key: str, cancel: Cancel) -> None:
         with self._lock:
-            if self._cancels.get(session) is cancel:
-                del self._cancels[session]
+            if self._cancels.get(key) is cancel:
+                del self._cancels[key]
 
     # -- the pair's lock -----------------------------------------------------------------------------------------------
     def locked(self, cancel: Cancel) -> Iterator[Status | bool]:

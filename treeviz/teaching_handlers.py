@@ -81,7 +81,8 @@ def race(prompt: str, chat: bool, pair: str, strategies: list[str], max_new_toke
     lanes = race_lanes(spec, strategies)
     opening = outputs({"status": status_html(f"race: {len(lanes)} lanes on {spec.pair}, decoding unobserved…")},
                       RACE_OUTPUTS)
-    yield from in_session(request, spec, RACE_OUTPUTS, opening, lambda session: race_views(lanes, session))
+    yield from in_session(request, spec, RACE_OUTPUTS, opening, lambda session: race_views(lanes, session),
+                          view="race")
 
 
 def _race_seconds(lanes: list[tuple[str, RunSpec]], session: str) -> int:
@@ -184,7 +185,8 @@ def sweep(prompt: str, chat: bool, pair: str, strategy: str, preset: str, params
     values = sweep_values(spec, size_min, size_max, points)
     opening = outputs({"status": status_html(f"sweep: {spec.strategy} at {values} and AR…", progress=0.0)},
                       SWEEP_OUTPUTS)
-    yield from in_session(request, spec, SWEEP_OUTPUTS, opening, lambda session: sweep_views(spec, values, session))
+    yield from in_session(request, spec, SWEEP_OUTPUTS, opening, lambda session: sweep_views(spec, values, session),
+                          view="sweep")
 
 
 def _sweep_seconds(spec: RunSpec, values: list[int], session: str) -> int:

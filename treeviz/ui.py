@@ -203,7 +203,7 @@ def _wire_runs(ui: SimpleNamespace) -> list:
     live = ui.controls.components + [ui.max_new, ui.temperature, ui.top_p, ui.top_k]
     triggers = [(ui.run_btn.click, "run"), (ui.prompt.submit, None)] + [
         (c.release if isinstance(c, gr.Slider) else c.input if isinstance(c, gr.Checkbox) else c.submit, None)
-        for c in live]  # live tuning: committing a new value re-runs (a newer run of a session cancels the older)
+        for c in live]  # live tuning: committing a new value re-runs (cancelling the older Run, not a race or sweep)
     runs = []
     for trigger, api_name in triggers:
         run = trigger(**collect).then(
