@@ -9,14 +9,14 @@ in one run, interleaved.
 `ar-compiled` is AR through torch.compile (engine/compiled.py), run beside the engine's eager AR where inductor can
 build it (`compiled_ar="auto"`); `ar-graph` is AR replaying the pair's captured single-row CUDA graph with nothing
 else in its loop (engine/graph_ar.py), run beside the engine's AR wherever the pair replays graphs. Throughput per
-method and prompt set = new tokens / wall time summed over prompts and repeats; speedup divides by the faster AR's throughput on the same prompts (every AR is decoded on each prompt right
-before the other methods, so drift of the machine cancels). Quality metrics (L-bar, l-bar, acceptance) average over
+method and prompt set = new tokens / wall time summed over prompts and repeats; speedup divides by the faster AR's
+throughput on the same prompts (every AR is decoded on each prompt right before the other methods, so drift of the
+machine cancels). Quality metrics (L-bar, l-bar, acceptance) average over
 iterations.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -267,7 +267,7 @@ def compare_with_ar(pair: ModelPair, spec: RunSpec, repeats: int = 1) -> RunResu
         raise ValueError(f"compare with AR needs at least one run of each, got {repeats}")
     ar = spec.as_method("ar")
     for warm in (ar, spec):
-        generate(pair, replace(warm, max_new_tokens=min(8, warm.max_new_tokens)))
+        generate(pair, warm.warm_up())
     ar_runs, runs = [], []
     for _ in range(repeats):
         ar_runs.append(generate(pair, ar))

@@ -18,6 +18,7 @@ from engine.trace import RunResult
 from engine.verify import Verifier, make_verifier
 
 AR = "ar"
+WARM_UP_TOKENS = 8  # a short untimed run before a timed one: a run's first calls pay for allocation and kernel choice
 
 
 @dataclass
@@ -54,6 +55,10 @@ class RunSpec:
         name, _, preset = method.partition("@")
         return replace(self, strategy=name, preset=preset or ("cpu" if name != self.strategy else self.preset),
                        params=dict(params or {}))
+
+    def warm_up(self) -> "RunSpec":
+        """The same run cut to WARM_UP_TOKENS new tokens: decoded, untimed, before this one is timed."""
+        return replace(self, max_new_tokens=min(WARM_UP_TOKENS, self.max_new_tokens))
 
 
 def split_pair(name: str) -> tuple[str, str | None]:

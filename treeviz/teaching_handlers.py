@@ -12,12 +12,11 @@ SWEEP_OUTPUTS (the sweep figure, a status line, the sweep as JSON). API callers 
 from __future__ import annotations
 
 import html
-from dataclasses import replace
 from typing import Any, Iterator
 
 import gradio as gr
 
-from engine.session import AR, RunSpec, check_spec
+from engine.session import AR, WARM_UP_TOKENS, RunSpec, check_spec
 from engine.strategies import STRATEGIES
 from engine.sweep import MAX_POINTS, run_sweep, size_param, size_values
 from treeviz.ar_cache import ARCache, attach_comparison
@@ -114,17 +113,13 @@ def _race_updates(lanes: list[tuple[str, RunSpec]], session: str) -> Iterator[tu
         yield status_update("race stopped: nothing to show until every lane has finished", names=RACE_OUTPUTS)
 
 
-WARM_UP_TOKENS = 8  # a short untimed run of every lane first, as the bench does: first calls pay for allocation
-
-
 def _decode_lanes(pair, lanes: list[tuple[str, RunSpec]], cancel) -> Iterator[Status | list]:
     """Every lane warmed up (a short run, discarded), then each decoded to its end, one after the other, nothing
     streamed; the list of (label, RunResult) last (nothing if cancelled). Without the warm-up the first lane, AR,
     would pay for the allocator's growth and kernel selection alone and read slow."""
     yield Status(f"race: warming up {len(lanes)} lanes (short runs, not timed)…")
     for _, spec in lanes:
-        short = replace(spec, max_new_tokens=min(WARM_UP_TOKENS, spec.max_new_tokens))
-        if (yield from BACKEND.iterate(pair, short, cancel, stream=False)) is None:
+        if (yield from BACKEND.iterate(pair, spec.warm_up(), cancel, stream=False)) is None:
             return
     runs = []
     for k, (label, spec) in enumerate(lanes, start=1):
