@@ -26,7 +26,7 @@ from engine.records import iteration_cost, iteration_record, margins
 from engine.runtime import synchronize
 from engine.sampling import Sampling
 from engine.selector import FeatureTaps
-from engine.steps import DynamicSteps, capacity, choose_buckets, largest_rung, reuse_static, wants_static
+from engine.steps import DynamicSteps, pair_static_steps, wants_static
 from engine.strategies.base import Strategy
 from engine.trace import IterationRecord, RunResult
 from engine.tree import DraftTree
@@ -192,15 +192,11 @@ class Decoder:
 
     def _steps(self, role: str, prompt_len: int, stop: StopRule):
         """A model's steps for a new run: the dynamic path, or the pair's static steps reset (built once per pair and
-        reused by every later run that fits, engine/steps.py `reuse_static`: allocating a static cache and capturing
-        its graphs takes seconds). The draft's cache holds a whole iteration's expansions on top of its sequence:
-        twice its top bucket to start with (it grows if a tree needs more)."""
-        model = self.pair.target if role == "target" else self.pair.draft
+        reused by every later run that fits, engine/steps.py `pair_static_steps`: allocating a static cache and
+        capturing its graphs takes seconds)."""
         if not self.static:
-            return DynamicSteps(model)
-        buckets = choose_buckets(self.pair.costs, largest_rung(self.pair.costs, role), role)
-        need = capacity(prompt_len, stop.max_new_tokens, buckets[-1] * (1 if role == "target" else 2))
-        return reuse_static(self.pair.static_steps, role, model, need, buckets, self.cuda_graphs)
+            return DynamicSteps(self.pair.target if role == "target" else self.pair.draft)
+        return pair_static_steps(self.pair, role, prompt_len, stop.max_new_tokens, self.cuda_graphs)
 
     def prefill(self, state: RunState, stop: StopRule) -> None:
         """The prompt fills the target cache; its last row gives the first token, the first root."""

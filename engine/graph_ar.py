@@ -14,7 +14,7 @@ import torch
 
 from engine.runtime import synchronize
 from engine.sampling import Sampling
-from engine.steps import capacity, choose_buckets, largest_rung, reuse_static
+from engine.steps import pair_static_steps
 
 
 class GraphedAR:
@@ -25,11 +25,7 @@ class GraphedAR:
         self.pair = pair
 
     def _steps(self, prompt_len: int, max_new_tokens: int):
-        pair = self.pair
-        buckets = choose_buckets(pair.costs, largest_rung(pair.costs, "target"), "target")
-        need = capacity(prompt_len, max_new_tokens, buckets[-1])
-        return reuse_static(pair.static_steps, "target", pair.target, need, buckets,
-                            "on" if pair.graphs else "off")
+        return pair_static_steps(self.pair, "target", prompt_len, max_new_tokens, "on" if self.pair.graphs else "off")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None = None,
                  eos_ids: tuple[int, ...] = ()) -> dict:

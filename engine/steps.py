@@ -364,6 +364,17 @@ def reuse_static(kept: dict, role: str, model, need: int, buckets: tuple[int, ..
     return steps
 
 
+def pair_static_steps(pair, role: str, prompt_len: int, max_new_tokens: int, cuda_graphs: str):
+    """`role`'s static steps on `pair` (a ModelPair) for a run of `prompt_len` + `max_new_tokens` tokens, through
+    `reuse_static`: buckets from the pair's cost table; the target's cache holds the run plus its top bucket, the
+    draft's twice its top bucket (a whole iteration's expansions on top of its sequence; it grows if a tree needs
+    more)."""
+    model = pair.target if role == "target" else pair.draft
+    buckets = choose_buckets(pair.costs, largest_rung(pair.costs, role), role)
+    need = capacity(prompt_len, max_new_tokens, buckets[-1] * (1 if role == "target" else 2))
+    return reuse_static(pair.static_steps, role, model, need, buckets, cuda_graphs)
+
+
 def largest_rung(costs, role: str = "target") -> int:
     """The largest row count the cost table measured for `role` (without a table: the calibration ladder's top):
     the top bucket, since the table says nothing about larger forwards."""
