@@ -44,29 +44,37 @@ COMPILED_AR_MODES = ("auto", "on", "off")
 
 
 def split_method(method: str, preset: str = "cpu") -> tuple[str, str]:
-    """"dynatree+lookup-history@auto" -> ("dynatree", "auto"): one bench run may compare presets and switches of a
-    strategy, interleaved."""
+    """"dynatree+lookup-history:a_star=0.5@auto" -> ("dynatree", "auto"): one bench run may compare presets,
+    switches and parameter values of a strategy, interleaved."""
     name, _, own = method.partition("@")
-    return re.split(r"[+-]", name)[0], own or preset
+    return re.split(r"[+\-:]", name)[0], own or preset
 
 
-def method_switches(method: str) -> dict[str, bool]:
-    """"dynatree+lookup-history@auto" -> {"lookup": True, "history": False}: the strategy's boolean parameters this
-    method turns on (+name) and off (-name). A switch the strategy does not take as a boolean parameter raises
-    StrategyError; AR baselines and peers (ar-compiled, hf-assisted, ...) have none."""
+def method_params(method: str) -> dict[str, Any]:
+    """"dynatree+lookup-history:a_star=0.5@auto" -> {"lookup": True, "history": False, "a_star": 0.5}: the
+    parameters this method sets for itself: boolean switches on (+name) and off (-name), values (:name=value,
+    checked against the parameter's range). A name the strategy does not take raises StrategyError; AR baselines
+    and peers (ar-compiled, hf-assisted, ...) have none."""
     if method in AR_METHODS or method in PEERS:
         return {}
-    name, *signed = re.split(r"([+-])", method.partition("@")[0])
+    head, *settings = method.partition("@")[0].split(":")
+    name, *signed = re.split(r"([+-])", head)
     if name not in STRATEGIES:
         return {}
-    kinds = {p.name: p.kind for p in STRATEGIES[name].params}
-    switches = {switch: sign == "+" for sign, switch in zip(signed[::2], signed[1::2])}
-    for switch in switches:
-        if kinds.get(switch) is not bool:
-            flags = sorted(k for k, kind in kinds.items() if kind is bool)
+    declared = {p.name: p for p in STRATEGIES[name].params}
+    chosen: dict[str, Any] = {switch: sign == "+" for sign, switch in zip(signed[::2], signed[1::2])}
+    for switch in chosen:
+        if switch not in declared or declared[switch].kind is not bool:
+            flags = sorted(k for k, p in declared.items() if p.kind is bool)
             raise StrategyError(f"method {method!r}: {name} has no switch {switch!r}; its switches: "
                                 f"{', '.join(flags) or 'none'}")
-    return switches
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        if not eq or key not in declared:
+            raise StrategyError(f"method {method!r}: {setting!r} is not name=value for one of {name}'s parameters "
+                                f"({', '.join(declared)})")
+        chosen[key] = declared[key].coerce(value)
+    return chosen
 
 
 def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset: str = "cpu",
@@ -89,7 +97,7 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
         return hf_assisted(pair, prompt, max_new_tokens)
     name, preset = split_method(method, preset)
     spec = RunSpec(pair=pair.target_name, prompt=prompt, strategy=name, preset=preset,
-                   params={**(params or {}).get(name, {}), **method_switches(method)}, max_new_tokens=max_new_tokens,
+                   params={**(params or {}).get(name, {}), **method_params(method)}, max_new_tokens=max_new_tokens,
                    **sampling.as_dict(),
                    verifier=verifier if isinstance(verifier, str) and verifier else "auto")
     result = generate(pair, spec, verifier if isinstance(verifier, Verifier) else None)

@@ -235,7 +235,7 @@ def _summary(result) -> str:
 
 
 def cmd_bench(args) -> int:
-    from engine.bench import AR_METHODS, PEERS, bench, format_table, method_switches, split_method
+    from engine.bench import AR_METHODS, PEERS, bench, format_table, method_params, split_method
     methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
     preset = _preset(args, [split_method(m)[0] for m in methods])
     names = {m: split_method(m, preset) for m in methods}
@@ -244,7 +244,7 @@ def cmd_bench(args) -> int:
             raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, {', '.join(PEERS)}, "
                                 f"ar-compiled, ar-graph (a strategy may name switches and its preset: "
                                 f"dynatree+lookup@auto)")
-        method_switches(m)
+        method_params(m)
         if name in STRATEGIES and own not in STRATEGIES[name].preset_names():
             raise StrategyError(f"{name} has no preset {own!r}; choose from {STRATEGIES[name].preset_names()}")
     params = {name: _strategy_params(args, name, strict=False) for name, _ in names.values() if name in STRATEGIES}
@@ -296,9 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.add_argument("--strategies", default="ar,linear,fixed,dynatree,hf-assisted",
                    help="comma list of strategies and/or hf-assisted, hf-prompt-lookup (transformers' peers, "
-                        "greedy only); strategy@preset picks one strategy's preset and strategy+switch turns a "
-                        "boolean parameter on for that method alone (e.g. dynatree,dynatree@auto,dynatree+lookup "
-                        "compares them on the same prompts)")
+                        "greedy only); strategy@preset picks one strategy's preset, strategy+switch / -switch turns a "
+                        "boolean parameter on / off and strategy:name=value sets a parameter for that method alone "
+                        "(dynatree, dynatree@auto, dynatree+lookup and dynatree:a_star=0.5 in one list "
+                        "compare them on the same prompts)")
     b.add_argument("--compiled-ar", default="auto", choices=("auto", "on", "off"),
                    help="also run AR through torch.compile (ar-compiled) and divide speedups by the faster AR; "
                         "auto: where inductor can build it (CPU with a C++ compiler); compiling takes ~1 min once")

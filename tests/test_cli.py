@@ -242,14 +242,29 @@ def test_bench_help_lists_the_grounded_set_and_the_lookup_peer(capsys):
     assert "grounded" in text and "hf-prompt-lookup" in text and "dynatree+lookup" in text
 
 
-def test_method_names_turn_switches_on_and_off():
-    from engine.bench import method_switches, split_method
+def test_method_names_turn_switches_on_and_off_and_set_values():
+    from engine.bench import method_params, split_method
     assert split_method("dynatree+lookup-history@auto") == ("dynatree", "auto")
-    assert method_switches("dynatree+lookup-history@auto") == {"lookup": True, "history": False}
-    assert method_switches("dynatree-history") == {"history": False}
-    assert method_switches("ar-compiled") == {} and method_switches("hf-prompt-lookup") == {}
+    assert split_method("dynatree:a_star=0.5@paper") == ("dynatree", "paper")
+    assert method_params("dynatree+lookup-history@auto") == {"lookup": True, "history": False}
+    assert method_params("dynatree-history") == {"history": False}
+    assert method_params("dynatree-history:a_star=0.55:d0=3@cpu") == {"history": False, "a_star": 0.55, "d0": 3}
+    assert method_params("ar-compiled") == {} and method_params("hf-prompt-lookup") == {}
     with pytest.raises(StrategyError, match="no switch 'budget'"):
-        method_switches("dynatree-budget")  # a number is not a switch
+        method_params("dynatree-budget")  # a number is not a switch
+    with pytest.raises(StrategyError, match="above its maximum"):
+        method_params("dynatree:a_star=1.5")
+    with pytest.raises(StrategyError, match="not name=value"):
+        method_params("dynatree:nonsense=1")
+
+
+def test_a_bench_method_runs_with_its_own_values(related_pair):
+    """Two values of one parameter in one bench, interleaved: each run carries its own."""
+    from engine.bench import run_method
+    low = run_method(related_pair, "dynatree:budget=3:d0=1", "abcab", 6)["result"]
+    high = run_method(related_pair, "dynatree-history:budget=9", "abcab", 6)["result"]
+    assert max(it.drafted for it in low.iterations) <= 3 < max(it.drafted for it in high.iterations)
+    assert low.params["budget"] == 3 and high.params["history"] is False
 
 
 def test_bench_runs_a_method_without_a_preset_on_the_default_one_whatever_the_last_method_names(monkeypatch):
