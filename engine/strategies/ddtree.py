@@ -67,8 +67,8 @@ class DDTree(LookupGraft, Strategy):
         rows = [sample.first_rows] + [1] * (forwards - 1)
         return SizeCost(len(kept), accepted_within(sample, kept), rows, len(kept) + 1)
 
-    def build_model(self, drafter, tree) -> None:
-        budget, block = self.config["budget"], self.config["block"]
+    def build_model(self, drafter, tree, budget: int) -> None:
+        block = self.config["block"]
         chain, dists, probs, tokens = [0], [], [], []
         for i in range(block):
             dist = drafter.expand([chain[-1]])[0]

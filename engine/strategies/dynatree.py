@@ -98,18 +98,18 @@ class DynaTree(LookupGraft, Strategy):
             return c["b_max"]
         return c["b_mid"]
 
-    def build_model(self, drafter, tree) -> None:
+    def build_model(self, drafter, tree, budget: int) -> None:
         c = self.config
         tau = c["tau"] if c["pruning"] else 0.0
         frontier = [0]
-        while frontier and tree.num_drafted < c["budget"]:
+        while frontier and tree.num_drafted < budget:
             dists = drafter.expand(frontier)
             order = sorted(range(len(frontier)), key=lambda i: -tree.path_q[frontier[i]])
             children = []
             for i in order:
                 node, dist = frontier[i], dists[i]
                 k = self.breadth(tree.confidence[node])
-                children += self.add_top_children(tree, node, dist, k, tau, c["budget"])
+                children += self.add_top_children(tree, node, dist, k, tau, budget)
             frontier = [n for n in children if self.expandable(tree, n)]
         self.depth = max(tree.depths)
 

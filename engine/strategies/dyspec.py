@@ -63,9 +63,10 @@ class DySpec(LookupGraft, Strategy):
             raise StrategyError(f"threshold = {c['threshold']}: no slot value exceeds 1, the tree would be empty; "
                                 "use a threshold below 1")
 
-    def build_model(self, drafter, tree) -> None:
+    def build_model(self, drafter, tree, budget: int) -> None:
         c = self.config
-        values = self._threshold(drafter, tree) if c["threshold_variant"] else self._greedy(drafter, tree)
+        build = self._threshold if c["threshold_variant"] else self._greedy
+        values = build(drafter, tree, budget)
         tree.extra["dyspec_values"] = values
         order = list(range(1, len(tree)))  # node ids follow the expansion order
         if c["dfs_order"] and len(tree) > 2:
@@ -86,8 +87,8 @@ class DySpec(LookupGraft, Strategy):
         return out
 
     # -- the exact greedy (Algorithm 1), with batched draft forwards ---------------------------------------------
-    def _greedy(self, drafter, tree) -> list[float]:
-        budget, max_depth = self.config["budget"], self.config["max_depth"]
+    def _greedy(self, drafter, tree, budget: int) -> list[float]:
+        max_depth = self.config["max_depth"]
         ranked = self._sorted_children(tree, [0], drafter.expand([0]), budget)  # node -> (probs, tokens)
         # Heap entries: (-value, seq, parent, rank). rank = -1 marks a pending first-child slot of an unexpanded
         # node `parent`, valued at its upper bound path_q(parent) since q <= 1.
@@ -161,9 +162,8 @@ class DySpec(LookupGraft, Strategy):
             push(tree.path_q[node] * ranked[node][0][0], node, 0)
 
     # -- the threshold variant (Appendix A.2): one draft forward per layer ----------------------------------------
-    def _threshold(self, drafter, tree) -> list[float]:
-        c = self.config
-        budget, threshold = c["budget"], c["threshold"]
+    def _threshold(self, drafter, tree, budget: int) -> list[float]:
+        threshold = self.config["threshold"]
         frontier, values = [0], []
         while frontier and tree.num_drafted < budget:
             room = budget - tree.num_drafted
@@ -181,5 +181,5 @@ class DySpec(LookupGraft, Strategy):
                 added.append(tree.add(node, token, p, rank))
                 values.append(-neg)
             # A child of v is worth at most path_q(v): expand v only if that can clear the threshold.
-            frontier = [v for v in added if tree.depths[v] < c["max_depth"] and tree.path_q[v] > threshold]
+            frontier = [v for v in added if tree.depths[v] < self.config["max_depth"] and tree.path_q[v] > threshold]
         return values

@@ -1,7 +1,7 @@
 """Lookup grafting: context-lookup branches (engine/lookup.py) merged into a draft model's tree.
 
 A strategy takes the switch by listing `LookupGraft` first among its bases, adding GRAFT_PARAMS to its params and
-naming its own tree builder `build_model` (DynaTree, DySpec, DDTree). With `lookup` on:
+naming its own tree builder `build_model(drafter, tree, budget)` (DynaTree, DySpec, DDTree). With `lookup` on:
 
 - Budget: the tree budget covers both. The model builds under `budget - reserve`, reserve = min(lookup_budget,
   budget // 2) (the model keeps at least half, also when the `auto` preset shrinks the budget); the lookup then fills
@@ -143,7 +143,8 @@ class LookupGraft:
         self.gate = LookupGate()
         self.vocab_size, self.device, self.costs, self.alone = None, None, None, False
 
-    def build_model(self, drafter, tree: DraftTree) -> None:
+    def build_model(self, drafter, tree: DraftTree, budget: int) -> None:
+        """The strategy's own tree, at most `budget` drafted nodes."""
         raise NotImplementedError
 
     def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
@@ -165,7 +166,7 @@ class LookupGraft:
         "lookup_s", the seconds the lookup's own work took (index queries and grafting; no model forward)."""
         self.alone = False
         if not self.config["lookup"]:
-            self.build_model(drafter, tree)
+            self.build_model(drafter, tree, self.config["budget"])
             return
         budget = self.config["budget"]
         start = time.perf_counter()
@@ -173,11 +174,7 @@ class LookupGraft:
         self.alone = bool(self.config["lookup_gate"]) and self.gate.lookup_only(match, alone_s)
         lookup_s = time.perf_counter() - start
         if not self.alone:
-            self.config["budget"] = budget - min(self.config["lookup_budget"], budget // 2)
-            try:
-                self.build_model(drafter, tree)
-            finally:
-                self.config["budget"] = budget
+            self.build_model(drafter, tree, budget - min(self.config["lookup_budget"], budget // 2))
         start = time.perf_counter()
         self.graft(tree, self.room(tree, budget, match))
         tree.extra["lookup_s"] = lookup_s + time.perf_counter() - start

@@ -17,7 +17,7 @@ import heapq
 import torch
 
 from engine.strategies.base import Param, Strategy, StrategyError
-from engine.strategies.sizing import SizeCost, accepted_within, most_probable
+from engine.strategies.sizing import SizeCost, accepted_within
 
 MAX_ROUNDS = 4096  # a guard only: every round adds a node to G or ends the search
 
