@@ -228,7 +228,8 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = (f"{'set':6s} {'method':16s} {'tok/s':>7s} {'speedup':>8s} {'AR GB/s':>8s} {'L̄':>6s} {'ℓ̄':>6s} "
+    width = max([16] + [len(r["method"]) for r in report["rows"]])  # method names with :name=value run long
+    head = (f"{'set':6s} {'method':{width}s} {'tok/s':>7s} {'speedup':>8s} {'AR GB/s':>8s} {'L̄':>6s} {'ℓ̄':>6s} "
             f"{'accept':>7s} {'#iter':>6s} {'TTFT s':>7s} {'TPOT s':>7s} {'exact':>6s}")
     lines = [head, "-" * len(head)]
 
@@ -237,7 +238,7 @@ def format_table(report: dict[str, Any]) -> str:
 
     for r in report["rows"]:
         lines.append(
-            f"{r['prompt_set']:6s} {r['method']:16s} {r['tokens_per_s']:7.2f} {r['speedup']:7.2f}× "
+            f"{r['prompt_set']:6s} {r['method']:{width}s} {r['tokens_per_s']:7.2f} {r['speedup']:7.2f}× "
             f"{fmt(r.get('ar_gbps'), '8.1f')} {fmt(r.get('mean_tokens_per_iter'), '6.2f')} {fmt(r.get('mean_accepted_len'), '6.2f')} "
             f"{fmt(r.get('acceptance_rate'), '7.2f')} {fmt(r.get('iterations'), '6.1f')} "
             f"{fmt(r.get('ttft_s'), '7.3f')} {fmt(r.get('tpot_s'), '7.3f')} {fmt(r['exact_match_rate'], '6.2f')}")

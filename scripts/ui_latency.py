@@ -2,21 +2,32 @@
 
     python -m scripts.ui_latency                      # tiny random pair, 5 runs of 96 tokens
     python -m scripts.ui_latency --pair default --runs 2
+    python -m scripts.ui_latency --pair default --browser --prompt-set code --runs 4   # in a real Chromium
 
 Launches the app in this process on 127.0.0.1 and calls /run through gradio_client. Per run it records the wall time
 from submit to the first update holding a tree, and (wall time of the whole call - the decode time the run itself
 measured, `metrics.total_s`) / iterations: what streaming, figures and transport add per target pass (fixed
 per-call costs such as the final charts and the trace file are spread over the iterations). Then, in process, the
 cost of building one streamed update (snapshot + tree, text and metrics row) at every iteration of one run.
+
+`--browser` drives the page in headless Chromium (/usr/bin/chromium, Playwright) instead, one Run per prompt of a
+prompt set, and measures how far behind the decoder the page is: the server stamps the end of every iteration and
+of the run (it wraps `Backend.iterate`, the one decoding loop, to read the clock; nothing else changes), the page
+stamps every change of the run's status line (a MutationObserver), both on this machine's wall clock. Printed per
+run: the delay of each streamed update (page shows iteration k minus the decoder finished k) and the final view's
+(page shows the finished run minus the decoder's last token).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -39,7 +50,14 @@ def main(argv=None) -> None:
     parser.add_argument("--strategy", default="dynatree")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--browser", action="store_true", help="measure the page's lag in headless Chromium")
+    parser.add_argument("--prompt-set", default="code",
+                        help="--browser: the prompts, one Run each (up to --runs), with the page's own strategy and "
+                             "max new tokens (DynaTree, 48)")
     args = parser.parse_args(argv)
+    if args.browser:
+        browser_lag(args)
+        return
 
     from gradio_client import Client
     from treeviz.ui import build_demo, launch_kwargs
@@ -100,6 +118,93 @@ def update_cost(args) -> None:
     print(f"building one streamed update: median {statistics.median(costs) * 1000:.1f} ms, "
           f"max {max(costs) * 1000:.1f} ms over {len(costs)} iterations (sent at most every "
           f"{MIN_UPDATE_INTERVAL_S:.2f} s, and at least {(1 - BUILD_SHARE) / BUILD_SHARE:.0f}x an update's cost apart)")
+
+
+@contextmanager
+def stamped_iterations() -> Iterator[list]:
+    """While open, every iteration's end and every run's end are stamped on the wall clock: (strategy, "step" or
+    "end", iterations so far, seconds). Wraps the one decoding loop, `Backend.iterate`, and puts it back after."""
+    from treeviz.runs import Backend
+    plain, marks = Backend.iterate, []
+
+    def stamped(pair, spec, cancel, stream):
+        steps, k = plain(pair, spec, cancel, stream), 0
+        while True:
+            try:
+                item = next(steps)
+            except StopIteration as done:
+                marks.append((spec.strategy, "end", k, time.time()))
+                return done.value
+            marks.append((spec.strategy, "step", k, time.time()))
+            k += 1
+            yield item
+    Backend.iterate = staticmethod(stamped)
+    try:
+        yield marks
+    finally:
+        Backend.iterate = staticmethod(plain)
+
+
+WATCH_STATUS = """() => { window.__seen = [];  // [wall seconds, status text] at every change
+    new MutationObserver(() => window.__seen.push([Date.now() / 1000,
+        document.querySelector('#tv-run-status').innerText]))
+      .observe(document.querySelector('#tv-run-status'), {subtree: true, childList: true, characterData: true}); }"""
+STREAMED = re.compile(r"decoding with \S+: iteration (\d+)")
+
+
+def lag_of_run(page, prompt: str, marks: list, strategy: str) -> dict:
+    """Run `prompt` from the page (its own strategy and max new tokens) and wait until AR is in too; the delay of
+    every streamed update the page showed and of the finished view, in seconds after the decoder got there."""
+    del marks[:]
+    page.evaluate("window.__seen = []")
+    page.locator("#tv-prompt textarea").fill(prompt)
+    page.click("#tv-run")
+    # the new run's first status ("starting…") comes before its finished one: a late redraw of the last run's
+    # finished status, after the click, must not count
+    page.wait_for_function("""() => { const i = window.__seen.findIndex(([t, s]) => !s.includes('tokens/s'));
+        return i >= 0 && window.__seen.slice(i).some(([t, s]) => s.includes('tokens/s') && !s.includes('measuring AR'));
+    }""", timeout=600_000)
+    seen = page.evaluate("window.__seen")
+    seen = seen[next(i for i, (_, text) in enumerate(seen) if "tokens/s" not in text):]
+    steps = {k: t for name, kind, k, t in marks if kind == "step" and name == strategy}
+    end = next(t for name, kind, _, t in marks if kind == "end" and name == strategy)
+    shown = [(t, int(m.group(1))) for t, text in seen if (m := STREAMED.search(text))]
+    final = next(t for t, text in seen if "tokens/s" in text)
+    return {"iterations": len(steps), "updates": [t - steps[k] for t, k in shown if k in steps], "final": final - end}
+
+
+def browser_lag(args) -> list[dict]:
+    """The page's lag on each prompt of the set (the first one run once more before, to warm up; not reported)."""
+    from playwright.sync_api import sync_playwright
+    from engine.prompts import load_prompt_set
+    from treeviz.ui import DEFAULT_STRATEGY, build_demo, launch_kwargs
+    prompts = [p for p in load_prompt_set(args.prompt_set) if isinstance(p["prompt"], str)][:args.runs]
+    rows = []
+    with stamped_iterations() as marks:
+        demo = build_demo(initial_pair=args.pair)
+        demo.queue(default_concurrency_limit=4)
+        port = free_port()
+        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                    **launch_kwargs())
+        try:
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
+                page = browser.new_page(viewport={"width": 1440, "height": 1000})
+                page.goto(f"http://127.0.0.1:{port}/")
+                page.wait_for_selector("#tv-run-status")
+                page.evaluate(WATCH_STATUS)
+                lag_of_run(page, prompts[0]["prompt"], marks, DEFAULT_STRATEGY)
+                for prompt in prompts:
+                    row = {"prompt": prompt["name"], **lag_of_run(page, prompt["prompt"], marks, DEFAULT_STRATEGY)}
+                    delays = row["updates"] or [0.0]
+                    print(f"{row['prompt']}: {row['iterations']} iterations, {len(row['updates'])} streamed updates "
+                          f"shown, their delay median {statistics.median(delays):.2f} s, max {max(delays):.2f} s; "
+                          f"final view {row['final']:.2f} s after the last token")
+                    rows.append(row)
+                browser.close()
+        finally:
+            demo.close()
+    return rows
 
 
 if __name__ == "__main__":
