@@ -159,23 +159,23 @@ def _title(iteration: IterationRecord, k: int, n: int, step: dict[str, Any]) -> 
 
 
 def step_traces(iteration: IterationRecord, xy: dict[int, tuple[float, float]], step: dict[str, Any]) -> list:
-    """The same eight traces in every step (frames replace them one for one): edges, the accepted path's edges,
-    nodes awaiting a verdict, one trace per verdict, and the ring around what the step is about."""
+    """The same nine traces in every step (frames replace them one for one): the ring around what the step is about,
+    edges, the accepted path's edges, nodes awaiting a verdict, one trace per verdict."""
     shown = [n for n in iteration.nodes if n.id in step["drafted"] and n.id in xy]
     pending = [n for n in shown if n.id not in step["judged"]]
     judged = {status: [n for n in shown if n.id in step["judged"] and n.status == status]
               for status in (ROOT, ACCEPTED, REJECTED, UNREACHED, BONUS)}
     path = set(iteration.accepted_path) if step["commit"] else set()
-    traces = [_edges(shown, xy, lambda n: n.id not in path and not (step["commit"] and n.status == BONUS), "other"),
+    # the ring first, so it is drawn under the nodes and their labels (on top it crossed the label's first letter);
+    # at the commit the thick path says what is kept, and rings there would only cover its labels
+    ring = [] if step["commit"] else [n for n in shown if n.id in step["current"]]
+    traces = [go.Scatter(x=[xy[n.id][0] for n in ring], y=[xy[n.id][1] for n in ring], mode="markers",
+                         marker={"symbol": "circle-open", "size": 30, "color": CURRENT_COLOR, "line": {"width": 2.5}},
+                         hoverinfo="skip", showlegend=False, name="this step"),
+              _edges(shown, xy, lambda n: n.id not in path and not (step["commit"] and n.status == BONUS), "other"),
               _edges(shown, xy, lambda n: n.id in path or (step["commit"] and n.status == BONUS), "accepted"),
               _nodes(pending, xy, "pending", step["commit"])]
     traces += [_nodes(judged[status], xy, status, step["commit"]) for status in judged]
-    # at the commit the thick path says what is kept; rings there would only cover its labels
-    ring = [] if step["commit"] else [n for n in shown if n.id in step["current"]]
-    traces.append(go.Scatter(x=[xy[n.id][0] for n in ring], y=[xy[n.id][1] for n in ring], mode="markers",
-                             marker={"symbol": "circle-open", "size": 30, "color": CURRENT_COLOR,
-                                     "line": {"width": 2.5}},
-                             hoverinfo="skip", showlegend=False, name="this step"))
     return traces
 
 
