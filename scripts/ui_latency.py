@@ -39,6 +39,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_app(pair: str):
+    """The app in this process on a free local port, serving in the background: (demo, port)."""
+    from treeviz.ui import build_demo, launch_kwargs
+    demo = build_demo(initial_pair=pair)
+    demo.queue(default_concurrency_limit=4)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
+    return demo, port
+
+
 def has_tree(output) -> bool:
     tree = output[3]  # scrubber, status, download, tree, ...
     return isinstance(tree, dict) and tree.get("type") == "plotly" and '"markers' in tree.get("plot", "")
@@ -60,11 +70,7 @@ def main(argv=None) -> None:
         return
 
     from gradio_client import Client
-    from treeviz.ui import build_demo, launch_kwargs
-    demo = build_demo(initial_pair=args.pair)
-    demo.queue(default_concurrency_limit=4)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
+    demo, port = start_app(args.pair)
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
     firsts, per_iter = [], []
     try:
@@ -173,19 +179,14 @@ def lag_of_run(page, prompt: str, marks: list, strategy: str) -> dict:
     return {"iterations": len(steps), "updates": [t - steps[k] for t, k in shown if k in steps], "final": final - end}
 
 
-def browser_lag(args) -> list[dict]:
+def browser_lag(args) -> None:
     """The page's lag on each prompt of the set (the first one run once more before, to warm up; not reported)."""
     from playwright.sync_api import sync_playwright
     from engine.prompts import load_prompt_set
-    from treeviz.ui import DEFAULT_STRATEGY, build_demo, launch_kwargs
+    from treeviz.ui import DEFAULT_STRATEGY
     prompts = [p for p in load_prompt_set(args.prompt_set) if isinstance(p["prompt"], str)][:args.runs]
-    rows = []
     with stamped_iterations() as marks:
-        demo = build_demo(initial_pair=args.pair)
-        demo.queue(default_concurrency_limit=4)
-        port = free_port()
-        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                    **launch_kwargs())
+        demo, port = start_app(args.pair)
         try:
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
@@ -200,11 +201,9 @@ def browser_lag(args) -> list[dict]:
                     print(f"{row['prompt']}: {row['iterations']} iterations, {len(row['updates'])} streamed updates "
                           f"shown, their delay median {statistics.median(delays):.2f} s, max {max(delays):.2f} s; "
                           f"final view {row['final']:.2f} s after the last token")
-                    rows.append(row)
                 browser.close()
         finally:
             demo.close()
-    return rows
 
 
 if __name__ == "__main__":

@@ -164,11 +164,10 @@ class LookupGraft:
         """The model's tree under the budget less the lookup reservation, then the lookup branches (switch on); or,
         where the gate says so, the lookup's tree alone under the whole budget. tree.extra records "lookup_only" and
         "lookup_s", the seconds the lookup's own work took (index queries and grafting; no model forward)."""
-        self.alone = False
+        self.alone, budget = False, self.config["budget"]
         if not self.config["lookup"]:
-            self.build_model(drafter, tree, self.config["budget"])
+            self.build_model(drafter, tree, budget)
             return
-        budget = self.config["budget"]
         start = time.perf_counter()
         best, match, alone_s = self.probe(len(tree), budget)
         self.alone = bool(self.config["lookup_gate"]) and self.gate.lookup_only(match, alone_s)
