@@ -156,6 +156,36 @@ def test_step_through_histogram_entropy_and_html_from_a_gallery_trace(tmp_path):
     assert path.suffix == ".html" and "tv-step" in page and "tv-replay" in page and "tv-race" not in page
 
 
+def test_the_steps_after_a_run_stand_aside_while_a_newer_run_of_the_session_decodes():
+    """The views re-rendered after a Run or Compare ends come from the session's state; while a newer Run or Compare
+    of the session decodes they must not be sent (a Compare's last update was overtaken by such a render and the
+    metrics ended on an earlier method). Another session's run, or a race of this session, does not hold them."""
+    from types import SimpleNamespace
+
+    from engine.trace import load_run
+    from treeviz.runs import BACKEND, request_key
+    from treeviz.teaching_ui import panels_after_run
+    from treeviz.ui import show_after_run
+    from treeviz.views import VIEW_NAMES
+    run, request = load_run(GALLERY), SimpleNamespace(session_hash="after-run-test")
+
+    def shown():
+        views = show_after_run(run, None, 1, "per iteration", None, request)
+        panels = panels_after_run(run, 1, False, request)
+        return [v for v in (*views, *panels[:2]) if not isinstance(v, dict) or v.get("__type__") != "update"]
+
+    assert len(shown()) == len(VIEW_NAMES) + 2  # nothing running: every view and both panels are rendered
+    others = [BACKEND.begin(request_key("after-run-test", "race")), BACKEND.begin(request_key("elsewhere", "run"))]
+    assert len(shown()) == len(VIEW_NAMES) + 2
+    newer = BACKEND.begin(request_key("after-run-test", "run"))
+    assert shown() == []  # a Run or Compare of this session decodes: its updates own the views
+    newer.set()           # stopped (or superseded): the state is what it streamed, the views may show it again
+    assert len(shown()) == len(VIEW_NAMES) + 2
+    BACKEND.end(request_key("after-run-test", "run"), newer)
+    for key, cancel in zip([request_key("after-run-test", "race"), request_key("elsewhere", "run")], others):
+        BACKEND.end(key, cancel)
+
+
 def test_compare_shows_acceptance_histograms(client):
     out = client.predict("def compare_hist(n):\n", False, "tiny-random", "dynatree", "cpu", 12,
                          methods=["dynatree", "linear"], api_name="/compare")

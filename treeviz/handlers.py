@@ -102,6 +102,14 @@ def in_session(request: gr.Request, spec: RunSpec, names: tuple[str, ...], openi
         BACKEND.end(key, cancel)
 
 
+def run_view_busy(request: gr.Request) -> bool:
+    """Whether a Run or Compare of this browser session is decoding. A step chained after a Run or Compare
+    re-renders the views from the session's state; while a newer request decodes, that render shows a moment of
+    it and can land after its last update (a Compare then ended on an earlier method's metrics), so the step stands
+    aside: the newer request's own updates own the views."""
+    return BACKEND.busy(request_key(request.session_hash or "default", "run"))
+
+
 def loaded_pair(spec: RunSpec, button: str):
     pair = BACKEND.pairs.ready(spec.pair, timeout=0)
     if pair is None:

@@ -79,8 +79,15 @@ class Backend:
         return cancel
 
     def cancel_of(self, key: str) -> Cancel:
+        """The flag `begin` made for `key`; an unregistered one (nothing can raise it) if none was begun."""
         with self._lock:
-            return self._cancels.setdefault(key, Cancel())
+            return self._cancels.get(key) or Cancel()
+
+    def busy(self, key: str) -> bool:
+        """Whether a request under `key` was begun and is still running, not cancelled."""
+        with self._lock:
+            cancel = self._cancels.get(key)
+        return cancel is not None and not cancel.is_set()
 
     def stop(self, session: str) -> bool:
         """Cancel every running request of browser session `session`; False if none was running."""

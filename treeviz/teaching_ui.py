@@ -23,6 +23,7 @@ from engine.sweep import DEFAULT_POINTS, MAX_POINTS
 from treeviz import teaching_handlers
 from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
 from treeviz.export import export_html
+from treeviz.handlers import run_view_busy
 from treeviz.replay import TRACE_DIR
 from treeviz.stepthrough import stepthrough_figure
 from treeviz.sweep_figure import sweep_figure
@@ -196,9 +197,19 @@ def with_frames(event, plot, elem_id: str) -> Any:
     return event.then(None, [plot], None, js=FRAMES_JS.replace("ELEM", elem_id), api_visibility="private")
 
 
-def follow(ui: SimpleNamespace, event) -> Any:
-    """After `event` shows a run or another iteration of it: the step-through, the histogram, the entropy tree."""
-    panels = event.then(iteration_panels, [ui.run_state, ui.scrubber, ui.entropy],
+def panels_after_run(run, index: Any, entropy: bool, request: gr.Request) -> tuple:
+    """iteration_panels once a Run or Compare ends, unless a newer one of the session decodes now or began while
+    this rendered (handlers.run_view_busy: its own updates own the views)."""
+    if run_view_busy(request):
+        return gr.skip(), gr.skip(), gr.skip()
+    panels = iteration_panels(run, index, entropy)
+    return (gr.skip(), gr.skip(), gr.skip()) if run_view_busy(request) else panels
+
+
+def follow(ui: SimpleNamespace, event, after_run: bool = False) -> Any:
+    """After `event` shows a run or another iteration of it: the step-through, the histogram, the entropy tree
+    (`after_run`: `event` is a Run or Compare that ended, panels_after_run)."""
+    panels = event.then(panels_after_run if after_run else iteration_panels, [ui.run_state, ui.scrubber, ui.entropy],
                         [ui.step_plot, ui.acceptance, ui.tree], show_progress="hidden", queue=False,
                         api_visibility="private")
     return with_frames(panels, ui.step_plot, "tv-step")

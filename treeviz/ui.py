@@ -214,13 +214,13 @@ def _wire_runs(ui: SimpleNamespace) -> list:
         # the run's last value shows its last iteration; a user who scrubbed while AR was measured gets that
         # iteration back
         teaching_ui.follow(ui, run.then(
-            show_iteration, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
-            show_progress="hidden", queue=False, api_visibility="private"))
+            show_after_run, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
+            show_progress="hidden", queue=False, api_visibility="private"), after_run=True)
     compare = ui.compare_btn.click(**collect).then(
         handlers.compare, settings + [ui.compare_methods, ui.stage_mode],
         ui.run_outputs + [ui.compare_table, ui.compare_plot, ui.compare_calibration, ui.compare_histogram],
         concurrency_limit=None, api_name="compare")
-    teaching_ui.follow(ui, compare)
+    teaching_ui.follow(ui, compare, after_run=True)
     return runs + [compare]
 
 
@@ -254,6 +254,15 @@ def show_iteration(run, ar, index, stage_mode, node):
         return [gr.skip()] * len(VIEW_NAMES)
     views = render_views(run, ar, index, stage_mode, node)
     return [views[name] for name in VIEW_NAMES]
+
+
+def show_after_run(run, ar, index, stage_mode, node, request: gr.Request):
+    """show_iteration once a Run ends (a user who scrubbed meanwhile gets that iteration back), unless a newer Run or
+    Compare of the session decodes now or began while this rendered (handlers.run_view_busy)."""
+    if handlers.run_view_busy(request):
+        return [gr.skip()] * len(VIEW_NAMES)
+    views = show_iteration(run, ar, index, stage_mode, node)
+    return [gr.skip()] * len(VIEW_NAMES) if handlers.run_view_busy(request) else views
 
 
 def on_gallery(path, stage_mode):
