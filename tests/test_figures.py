@@ -254,3 +254,24 @@ def test_tree_title_says_when_lookup_drafted_alone():
     assert "lookup alone" not in tree_figure(it).layout.title.text
     it.extra["lookup_only"] = True
     assert "lookup alone (the draft model was skipped" in tree_figure(it).layout.title.text
+
+
+def test_labels_fit_their_depth_column_and_the_hover_keeps_the_whole_token():
+    """A label longer than a depth column ran into the next column's node: labels are cut to the column pitch
+    (ending in "…"), and only the ones that do not fit; the hover still shows the whole token."""
+    from treeviz.stepthrough import stepthrough_figure
+    from treeviz.tree_figure import PLOT_WIDTH_PX, fitted_label, label_chars
+    long, short = " a_very_long_identifier_name", " x"
+    it = make_iteration(n=12, seed=3, texts=[long, short])
+    fig = tree_figure(it)
+    chars = label_chars(fig.layout.xaxis.range)
+    assert 2 <= chars < len(long)  # the long token cannot fit at this depth range
+    labels = [label for t in node_traces(fig) for label in t.text if label]
+    assert f"␣{long[1:chars - 1]}…" in labels and "␣x" in labels
+    assert all(len(label) <= chars for label in labels)
+    assert any("a_very_long_identifier_name" in h for t in node_traces(fig) for h in t.hovertext)
+    step_labels = [label for t in stepthrough_figure(it).data if t.mode and "text" in t.mode for label in t.text]
+    assert step_labels and all(len(label) <= chars for label in step_labels)
+    # the cut follows the pitch: twice the width fits more, a column too narrow for two characters shows none
+    assert label_chars([0, 10], 2 * PLOT_WIDTH_PX) > label_chars([0, 10])
+    assert fitted_label(long, label_chars([0, 100])) == "" and fitted_label(long, None) == "␣" + long[1:]

@@ -15,7 +15,7 @@ import plotly.io as pio
 from engine.trace import IterationRecord, RunResult
 from treeviz.race import NOTE, race_figure
 from treeviz.stepthrough import stepthrough_figure, teaching_iteration
-from treeviz.tree_figure import run_frame, tree_figure, tree_traces
+from treeviz.tree_figure import label_chars, run_frame, tree_figure, tree_traces
 
 MAX_REPLAY_FRAMES = 200  # a page for class, not an archive: longer runs keep their first iterations
 
@@ -27,9 +27,9 @@ def tree_replay_figure(run: RunResult, max_frames: int = MAX_REPLAY_FRAMES) -> g
     its = run.iterations[:max_frames]
     if not its:
         return tree_figure(None)
-    per_iteration = [{_slot(t): t for t in tree_traces(it)} for it in its]
-    slots = list(dict.fromkeys(key for traces in per_iteration for key in traces))
     frame = run_frame(its)
+    per_iteration = [{_slot(t): t for t in tree_traces(it, chars=label_chars(frame["x"]))} for it in its]
+    slots = list(dict.fromkeys(key for traces in per_iteration for key in traces))
     frames = [go.Frame(name=f"i{it.index}", data=[traces.get(key) or _empty(key) for key in slots],
                        layout={"title": {"text": tree_figure(it, frame).layout.title.text}})
               for it, traces in zip(its, per_iteration)]

@@ -15,8 +15,8 @@ import plotly.graph_objects as go
 from engine.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, IterationRecord, NodeRecord, RunResult
 from treeviz.html import visible_token
 from treeviz.inspector import reason
-from treeviz.tree_figure import (COLORSCALE, EDGE_STYLE, Q_RANGE, STATUS_STYLE, UNSCORED_FILL, iteration_layout,
-                                 run_frame)
+from treeviz.tree_figure import (COLORSCALE, EDGE_STYLE, LABEL_FONT, LABEL_HALO, Q_RANGE, STATUS_STYLE, UNSCORED_FILL,
+                                 fitted_label, iteration_layout, label_chars, run_frame)
 
 GROUP_REJECTED = 4  # more rejected siblings than this under one parent: one step for all of them
 CURRENT_COLOR = "#e74c3c"
@@ -145,7 +145,8 @@ def stepthrough_figure(iteration: IterationRecord, run: RunResult | None = None)
     rule = str(run.config.get("verifier") or "") if run is not None else ""
     steps = stepthrough_steps(iteration, greedy, rule)
     xy = {i: (d, -b) for i, (d, b) in iteration_layout(iteration).items()}
-    frames = [go.Frame(name=f"s{k}", data=step_traces(iteration, xy, step),
+    chars = label_chars(run_frame([iteration])["x"])  # the frame _layout shows
+    frames = [go.Frame(name=f"s{k}", data=step_traces(iteration, xy, step, chars),
                        layout={"title": {"text": _title(iteration, k, len(steps), step)}})
               for k, step in enumerate(steps)]
     fig = go.Figure(data=frames[0].data, frames=frames)
@@ -158,9 +159,10 @@ def _title(iteration: IterationRecord, k: int, n: int, step: dict[str, Any]) -> 
             "</span>")
 
 
-def step_traces(iteration: IterationRecord, xy: dict[int, tuple[float, float]], step: dict[str, Any]) -> list:
+def step_traces(iteration: IterationRecord, xy: dict[int, tuple[float, float]], step: dict[str, Any],
+                chars: int | None = None) -> list:
     """The same nine traces in every step (frames replace them one for one): the ring around what the step is about,
-    edges, the accepted path's edges, nodes awaiting a verdict, one trace per verdict."""
+    edges, the accepted path's edges, nodes awaiting a verdict, one trace per verdict; labels cut to `chars`."""
     shown = [n for n in iteration.nodes if n.id in step["drafted"] and n.id in xy]
     pending = [n for n in shown if n.id not in step["judged"]]
     judged = {status: [n for n in shown if n.id in step["judged"] and n.status == status]
@@ -174,8 +176,8 @@ def step_traces(iteration: IterationRecord, xy: dict[int, tuple[float, float]], 
                          hoverinfo="skip", showlegend=False, name="this step"),
               _edges(shown, xy, lambda n: n.id not in path and not (step["commit"] and n.status == BONUS), "other"),
               _edges(shown, xy, lambda n: n.id in path or (step["commit"] and n.status == BONUS), "accepted"),
-              _nodes(pending, xy, "pending", step["commit"])]
-    traces += [_nodes(judged[status], xy, status, step["commit"]) for status in judged]
+              _nodes(pending, xy, "pending", step["commit"], chars)]
+    traces += [_nodes(judged[status], xy, status, step["commit"], chars) for status in judged]
     return traces
 
 
@@ -195,14 +197,16 @@ PENDING_STYLE = {"symbol": "circle", "line_color": "#555555", "line_width": 1.0,
                  "label": "drafted, awaiting the target's verdict"}
 
 
-def _nodes(nodes: list[NodeRecord], xy: dict, status: str, commit: bool) -> go.Scatter:
-    """Nodes of one kind, filled by draft q (grey without one); at the commit what is discarded fades."""
+def _nodes(nodes: list[NodeRecord], xy: dict, status: str, commit: bool, chars: int | None = None) -> go.Scatter:
+    """Nodes of one kind, filled by draft q (grey without one); at the commit what is discarded fades; labels cut
+    to `chars` characters (tree_figure.label_chars)."""
     style = PENDING_STYLE if status == "pending" else STATUS_STYLE[status]
     discarded = commit and status in (REJECTED, UNREACHED, "pending")
     return go.Scatter(
         x=[xy[n.id][0] for n in nodes], y=[xy[n.id][1] for n in nodes], mode="markers+text",
-        text=[visible_token(n.text) for n in nodes], textposition="middle right",
-        textfont={"family": "monospace", "size": 13, "color": "#bbb" if discarded else "#222"},
+        text=[fitted_label(n.text, chars) for n in nodes], textposition="middle right",
+        textfont={"family": "monospace", "size": LABEL_FONT, "color": "#bbb" if discarded else "#222",
+                  "shadow": LABEL_HALO},
         marker={"symbol": style["symbol"], "size": style["size"], **_fill(nodes),
                 "line": {"color": style["line_color"], "width": style["line_width"]},
                 "opacity": FADED if discarded else 1.0},

@@ -44,6 +44,30 @@ SOURCE_STYLE: dict[str, dict[str, Any]] = {
 SOURCE_PAD = 12  # the ring's size beyond its node's marker
 RING_BASE = STATUS_STYLE["accepted"]["size"]  # rings share one size unless the nodes are sized one by one
 EDGE_STYLE = {"accepted": ("#111111", 4.0), "other": ("#9aa5ad", 1.2), "dead": ("#d5dadd", 1.0)}
+# A label sits right of its node, so one longer than a depth column runs into the next column's node and label.
+# Labels are cut to the column pitch of a plot this wide (the tree's plot area at the app's layout on a laptop
+# screen), ending in "…"; the hover and the inspector give the whole token. A light halo keeps them readable where
+# an edge passes under them.
+PLOT_WIDTH_PX = 780
+LABEL_FONT = 12
+GLYPH_EM = 0.6         # a monospace glyph's advance, in em
+NODE_CLEARANCE_PX = 14  # the node's own half-width and a gap, before its label starts
+LABEL_HALO = "0 0 3px #ffffff, 0 0 3px #ffffff"  # a CSS text-shadow: white around each glyph, whatever its colour
+
+
+def label_chars(frame_x: Sequence[float], plot_px: float = PLOT_WIDTH_PX, font: float = LABEL_FONT) -> int:
+    """How many monospace characters fit between a node and the next depth's node on a plot `plot_px` wide showing
+    depths `frame_x`."""
+    pitch = plot_px / max(frame_x[1] - frame_x[0], 1e-9)
+    return max(0, int((pitch - NODE_CLEARANCE_PX) / (GLYPH_EM * font)))
+
+
+def fitted_label(text: str, chars: int | None) -> str:
+    """The token as shown (visible_token), cut to `chars` characters ending in "…" (None: whole; under 2: none)."""
+    token = visible_token(text)
+    if chars is None or len(token) <= chars:
+        return token
+    return token[:chars - 1] + "…" if chars >= 2 else ""
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -99,9 +123,11 @@ def grow_frame(frame: dict[str, list[float]] | None, iteration: IterationRecord)
 
 # -- the draft tree ------------------------------------------------------------------------------------------------
 def tree_traces(iteration: IterationRecord, label_all: bool | None = None, show_legend: bool = True,
-                size_scale: float = 1.0, sizes: dict[int, float] | None = None) -> list[go.Scatter]:
+                size_scale: float = 1.0, sizes: dict[int, float] | None = None,
+                chars: int | None = None) -> list[go.Scatter]:
     """The edges (accepted path thick, edges into unreached subtrees faint), then one node trace per outcome.
-    `sizes` (node id -> marker size, e.g. charts_teaching.entropy_sizes) replaces the outcome's marker size."""
+    `sizes` (node id -> marker size, e.g. charts_teaching.entropy_sizes) replaces the outcome's marker size; labels
+    are cut to `chars` characters (label_chars; None: whole)."""
     nodes = list(iteration.nodes)
     if not nodes:
         return []
@@ -114,7 +140,7 @@ def tree_traces(iteration: IterationRecord, label_all: bool | None = None, show_
     xy = {node_id: (depth, -breadth) for node_id, (depth, breadth) in pos.items()}
     on_path = set(iteration.accepted_path)
     return (_edge_traces(nodes, xy, on_path) + _source_traces(nodes, xy, show_legend, size_scale, sizes)
-            + _node_traces(nodes, xy, on_path, label_all, show_legend, size_scale, large, sizes))
+            + _node_traces(nodes, xy, on_path, label_all, show_legend, size_scale, large, sizes, chars))
 
 
 def _edge_kind(node: NodeRecord, on_path: set[int]) -> str:
@@ -185,7 +211,8 @@ def _node_marker(status: str, style: dict[str, Any], part: list[NodeRecord], sco
 
 
 def _node_traces(nodes: list[NodeRecord], xy: dict, on_path: set[int], label_all: bool, show_legend: bool,
-                 size_scale: float, large: bool, sizes: dict[int, float] | None = None) -> list[go.Scatter]:
+                 size_scale: float, large: bool, sizes: dict[int, float] | None = None,
+                 chars: int | None = None) -> list[go.Scatter]:
     """One trace per outcome (the legend shows the shapes), split into nodes with and without a draft q."""
     groups: dict[str, list[NodeRecord]] = {}
     for node in nodes:
@@ -197,12 +224,13 @@ def _node_traces(nodes: list[NodeRecord], xy: dict, on_path: set[int], label_all
         for scored, part in zip((True, False), parts):
             if not part:
                 continue
-            labels = [visible_token(n.text) if (label_all or n.id in on_path or n.status == "bonus") else ""
+            labels = [fitted_label(n.text, chars) if (label_all or n.id in on_path or n.status == "bonus") else ""
                       for n in part]
             traces.append(go.Scatter(
                 x=[xy[n.id][0] for n in part], y=[xy[n.id][1] for n in part], mode="markers+text", text=labels,
                 textposition="middle right",
-                textfont={"size": 14 if not large else 11, "family": "monospace", "color": "#222"},
+                textfont={"size": LABEL_FONT if not large else 11, "family": "monospace", "color": "#222",
+                          "shadow": LABEL_HALO},
                 hovertext=[hover_text(n) for n in part], hoverinfo="text",
                 marker=_node_marker(status, style, part, scored, size_scale, sizes), name=style["label"],
                 legendgroup=status, showlegend=show_legend and (scored or not parts[0]),  # once per outcome
@@ -239,7 +267,7 @@ def tree_figure(iteration: IterationRecord | None, frame: dict[str, list[float]]
                           margin={"l": 10, "r": 10, "t": 30, "b": 10})
         return fig
     frame = frame or run_frame([iteration])
-    for trace in tree_traces(iteration, sizes=sizes):
+    for trace in tree_traces(iteration, sizes=sizes, chars=label_chars(frame["x"])):
         fig.add_trace(trace)
     if title is None:
         nodes = iteration.nodes
@@ -280,8 +308,8 @@ def small_multiples(items: Sequence[tuple[str, IterationRecord]], cols: int = 3)
     frame = run_frame([it for _, it in items])
     for i, (_, it) in enumerate(items):
         r, c = i // cols + 1, i % cols + 1
-        for trace in tree_traces(it, label_all=len(it.nodes) <= 25, show_legend=(i == 0),
-                                 size_scale=0.75):
+        for trace in tree_traces(it, label_all=len(it.nodes) <= 25, show_legend=(i == 0), size_scale=0.75,
+                                 chars=label_chars(frame["x"], PLOT_WIDTH_PX * (1 - 0.04 * (cols - 1)) / cols)):
             fig.add_trace(trace, row=r, col=c)
         fig.update_xaxes(range=frame["x"], autorange=False, dtick=1, row=r, col=c)
         fig.update_yaxes(range=frame["y"], autorange=False, visible=False, row=r, col=c)
