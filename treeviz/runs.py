@@ -12,6 +12,7 @@ from typing import Any, Generator, Iterator
 from engine.session import AR, RunSpec, start_run
 from engine.trace import RunResult
 from treeviz.ar_cache import ARCache, Baseline, attach_comparison
+from treeviz.compute_thread import COMPUTE
 from treeviz.pairs import PairManager
 
 
@@ -116,9 +117,10 @@ class Backend:
         yield True
 
     def holding(self, cancel: Cancel, body: Iterator, cancelled: tuple = ()) -> Iterator:
-        """`body`'s items, produced while holding the pair's run lock (a Status while waiting for it; `cancelled`'s
-        items instead if the run is cancelled first). The lock is released when the body ends or the consumer
-        closes this generator (Stop)."""
+        """`body`'s items, produced on the compute thread (treeviz/compute_thread.py) while holding the pair's run
+        lock (a Status while waiting for it, here in the caller's thread: waiting there would hold up the run that
+        has the lock; `cancelled`'s items instead if the run is cancelled first). The lock is released when the body
+        ends or the consumer closes this generator (Stop)."""
         held = False
         try:
             for item in self.locked(cancel):
@@ -129,7 +131,7 @@ class Backend:
             if not held:
                 yield from cancelled
                 return
-            yield from body
+            yield from COMPUTE.stepped(body)  # the model work, on the app's one compute thread
         finally:
             if held:
                 self.pairs.run_lock.release()

@@ -1,0 +1,88 @@
+"""One thread for all of the app's model work.
+
+torch's CPU kernels run in parallel through OpenMP, and GNU OpenMP keeps a pool of worker threads for each thread
+that starts parallel work. Once two such pools exist on a small machine there are more OpenMP threads than cores,
+and then, by libgomp's documented default (GOMP_SPINCOUNT), idle workers spin 100 times instead of 300,000 before
+they sleep, so every parallel region has to wake them (the likely cause: a longer spin count narrowed the gap, an
+endless one widened it, as the idle pool then held a core). On the 2-core
+CPU (`python -m scripts.thread_probe --pair default`) a one-row bf16 linear of the draft's MLP shape took 25-35 %
+longer on a thread started after the main thread had run parallel work than on the main thread, and DynaTree
+decoded 10-27 % fewer tokens per second there. Gradio steps a streaming handler in whichever of its worker threads
+is free, and each worker that ever ran a kernel keeps its pool, so the app's runs were exposed to this whenever a
+step landed on another worker (one /run in six lost 20 % in an A/B of the app; the rest matched).
+
+So every model call the app makes runs on this one thread. `stepped(items)` steps a handler's generator here, one
+item per request, exactly as if the handler stepped it itself: the decoder still pauses while the handler draws the
+item, and a `with` block in the generator (inference mode, say, which is per thread) opens and closes on one thread.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator
+
+_END = object()  # next()'s default: the generator is exhausted
+
+
+class ComputeThread:
+    """A daemon thread that runs the calls given to it, one at a time, in order (started on first use, and again
+    in a forked process, which inherits no threads)."""
+
+    def __init__(self, name: str = "treeviz-compute"):
+        self.name = name
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._pid = None
+        self._start_lock = threading.Lock()
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        """fn(*args) on this thread, waited for; its exception is raised here. From this thread itself it just
+        calls fn (a job waiting for its own thread would wait forever)."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        done: Future = Future()
+        self._queue().put((done, fn, args))
+        return done.result()
+
+    def stepped(self, items: Iterator) -> Iterator:
+        """`items`, each produced on this thread when asked for; closing the result (Stop, a finished consumer)
+        closes `items` there too, so its `finally` blocks run where the rest of it ran."""
+        try:
+            while True:
+                item = self.call(next, items, _END)
+                if item is _END:
+                    return
+                yield item
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                self.call(close)
+
+    @property
+    def ident(self) -> int | None:
+        """The thread's id once started (tests check that work ran here)."""
+        return None if self._thread is None else self._thread.ident
+
+    def _queue(self) -> queue.SimpleQueue:
+        with self._start_lock:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._jobs, self._pid = queue.SimpleQueue(), os.getpid()
+                self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self.name, daemon=True)
+                self._thread.start()
+            return self._jobs
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while True:
+            done, fn, args = jobs.get()
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                done.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001 - every error goes back to the caller, raised there
+                done.set_exception(err)
+
+
+COMPUTE = ComputeThread()  # one per process: the app's model work all runs on it
