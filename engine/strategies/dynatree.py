@@ -56,8 +56,10 @@ class DynaTree(LookupGraft, Strategy):
     )
     auto_param = "budget"  # the size the "auto" preset tunes from measured costs
     presets = {
-        "cpu": {"d0": 4, "d_max": 7, "budget": 24, "b_mid": 2, "b_max": 3, "tau": 0.05},
-        "paper": {"d0": 5, "d_max": 8, "budget": 256, "b_mid": 2, "b_max": 3, "tau": 0.05},
+        # a* 0.9 on the CPU: a draft forward costs c = 0.16 of a target step there and deeper trees did not pay for
+        # theirs; the paper's 0.7 deepened chat's trees and lost 2-6 % there (docs/control.md)
+        "cpu": {"d0": 4, "d_max": 7, "budget": 24, "b_mid": 2, "b_max": 3, "tau": 0.05, "a_star": 0.9},
+        "paper": {"d0": 5, "d_max": 8, "budget": 256, "b_mid": 2, "b_max": 3, "tau": 0.05, "a_star": 0.7},
     }
 
     def check(self) -> None:
