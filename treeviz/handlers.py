@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import gradio as gr
 
@@ -108,6 +108,15 @@ def run_view_busy(request: gr.Request) -> bool:
     it and can land after its last update (a Compare then ended on an earlier method's metrics), so the step stands
     aside: the newer request's own updates own the views."""
     return BACKEND.busy(request_key(request.session_hash or "default", "run"))
+
+
+def rendered_after_run(request: gr.Request, render: Callable[[], Any], skipped: Any) -> Any:
+    """`render()` for a step chained after a Run or Compare, or `skipped` (its outputs left alone) while a newer
+    Run or Compare of the session decodes now or began while it rendered (run_view_busy)."""
+    if run_view_busy(request):
+        return skipped
+    rendered = render()
+    return skipped if run_view_busy(request) else rendered
 
 
 def loaded_pair(spec: RunSpec, button: str):

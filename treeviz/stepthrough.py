@@ -145,12 +145,13 @@ def stepthrough_figure(iteration: IterationRecord, run: RunResult | None = None)
     rule = str(run.config.get("verifier") or "") if run is not None else ""
     steps = stepthrough_steps(iteration, greedy, rule)
     xy = {i: (d, -b) for i, (d, b) in iteration_layout(iteration).items()}
-    chars = label_chars(run_frame([iteration])["x"])  # the frame _layout shows
+    frame = run_frame([iteration])
+    chars = label_chars(frame["x"])
     frames = [go.Frame(name=f"s{k}", data=step_traces(iteration, xy, step, chars),
                        layout={"title": {"text": _title(iteration, k, len(steps), step)}})
               for k, step in enumerate(steps)]
     fig = go.Figure(data=frames[0].data, frames=frames)
-    _layout(fig, iteration, steps)
+    _layout(fig, iteration, steps, frame)
     return fig
 
 
@@ -227,8 +228,7 @@ def _hover(node: NodeRecord, status: str) -> str:
     return f"<b>{visible_token(node.text)}</b> (node {node.id}, depth {node.depth})<br>q = {q}<br>p = {p}"
 
 
-def _layout(fig: go.Figure, iteration: IterationRecord, steps: list[dict[str, Any]]) -> None:
-    frame = run_frame([iteration])
+def _layout(fig: go.Figure, iteration: IterationRecord, steps: list[dict[str, Any]], frame: dict) -> None:
     span = frame["y"][1] - frame["y"][0]
     step_args = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
     fig.update_layout(

@@ -23,7 +23,7 @@ from engine.sweep import DEFAULT_POINTS, MAX_POINTS
 from treeviz import teaching_handlers
 from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
 from treeviz.export import export_html
-from treeviz.handlers import run_view_busy
+from treeviz.handlers import rendered_after_run
 from treeviz.replay import TRACE_DIR
 from treeviz.stepthrough import stepthrough_figure
 from treeviz.sweep_figure import sweep_figure
@@ -199,11 +199,8 @@ def with_frames(event, plot, elem_id: str) -> Any:
 
 def panels_after_run(run, index: Any, entropy: bool, request: gr.Request) -> tuple:
     """iteration_panels once a Run or Compare ends, unless a newer one of the session decodes now or began while
-    this rendered (handlers.run_view_busy: its own updates own the views)."""
-    if run_view_busy(request):
-        return gr.skip(), gr.skip(), gr.skip()
-    panels = iteration_panels(run, index, entropy)
-    return (gr.skip(), gr.skip(), gr.skip()) if run_view_busy(request) else panels
+    this rendered (handlers.rendered_after_run: its own updates own the views)."""
+    return rendered_after_run(request, lambda: iteration_panels(run, index, entropy), (gr.skip(),) * 3)
 
 
 def follow(ui: SimpleNamespace, event, after_run: bool = False) -> Any:

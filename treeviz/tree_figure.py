@@ -303,13 +303,14 @@ def small_multiples(items: Sequence[tuple[str, IterationRecord]], cols: int = 3)
         return tree_figure(None)
     cols = max(1, min(cols, len(items)))
     rows = (len(items) + cols - 1) // cols
+    spacing = 0.04  # between columns, as a share of the width
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=[html.escape(t) for t, _ in items],
-                        horizontal_spacing=0.04, vertical_spacing=0.12)
+                        horizontal_spacing=spacing, vertical_spacing=0.12)
     frame = run_frame([it for _, it in items])
     for i, (_, it) in enumerate(items):
         r, c = i // cols + 1, i % cols + 1
         for trace in tree_traces(it, label_all=len(it.nodes) <= 25, show_legend=(i == 0), size_scale=0.75,
-                                 chars=label_chars(frame["x"], PLOT_WIDTH_PX * (1 - 0.04 * (cols - 1)) / cols)):
+                                 chars=label_chars(frame["x"], PLOT_WIDTH_PX * (1 - spacing * (cols - 1)) / cols)):
             fig.add_trace(trace, row=r, col=c)
         fig.update_xaxes(range=frame["x"], autorange=False, dtick=1, row=r, col=c)
         fig.update_yaxes(range=frame["y"], autorange=False, visible=False, row=r, col=c)

@@ -258,11 +258,9 @@ def show_iteration(run, ar, index, stage_mode, node):
 
 def show_after_run(run, ar, index, stage_mode, node, request: gr.Request):
     """show_iteration once a Run ends (a user who scrubbed meanwhile gets that iteration back), unless a newer Run or
-    Compare of the session decodes now or began while this rendered (handlers.run_view_busy)."""
-    if handlers.run_view_busy(request):
-        return [gr.skip()] * len(VIEW_NAMES)
-    views = show_iteration(run, ar, index, stage_mode, node)
-    return [gr.skip()] * len(VIEW_NAMES) if handlers.run_view_busy(request) else views
+    Compare of the session decodes now or began while this rendered (handlers.rendered_after_run)."""
+    return handlers.rendered_after_run(request, lambda: show_iteration(run, ar, index, stage_mode, node),
+                                       [gr.skip()] * len(VIEW_NAMES))
 
 
 def on_gallery(path, stage_mode):
