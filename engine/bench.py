@@ -6,13 +6,15 @@ peer of the `lookup` strategy. Both run greedily only. A method names a strategy
 and a preset: "dynatree+lookup@auto" is DynaTree with lookup grafted (engine/strategies/graft.py) on its auto preset,
 "dynatree-history" DynaTree with its history adaptation off, so variants of one strategy compare on the same prompts
 in one run, interleaved.
-`ar-compiled` is AR through torch.compile (engine/compiled.py), run beside the engine's eager AR where inductor can
-build it (`compiled_ar="auto"`); `ar-graph` is AR replaying the pair's captured single-row CUDA graph with nothing
-else in its loop (engine/graph_ar.py), run beside the engine's AR wherever the pair replays graphs. Throughput per
-method and prompt set = new tokens / wall time summed over prompts and repeats; speedup divides by the faster AR's
-throughput on the same prompts (every AR is decoded on each prompt right before the other methods, so drift of the
-machine cancels). Quality metrics (L-bar, l-bar, acceptance) average over
-iterations.
+Every method takes the pair's captured steps where it has them (engine/capture.py); "dynatree/eager" runs a method
+with them off, so captured and eager compare on the same prompts. The ARs: `ar` (the engine's loop, on the pair's
+steps), `ar-eager` (the same loop, eager: beside it wherever the pair has captured steps), `ar-captured` (the
+target's one-row captured step in a bare loop, engine/captured_ar.py: wherever it exists) and `ar-compiled` (AR
+through torch.compile, engine/compiled.py: an independent build of the same one-row recipe, with `compiled_ar`
+"on", or "auto" where the pair has no captured one-row step). Throughput per method and prompt set = new tokens /
+wall time summed over prompts and repeats; speedup divides by the fastest AR's throughput on the same prompts (every
+AR is decoded on each prompt right before the other methods, so drift of the machine cancels). Quality metrics
+(L-bar, l-bar, acceptance) average over iterations.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from engine.compiled import CompiledAR, compile_available
-from engine.graph_ar import GraphedAR
+from engine.captured_ar import CapturedAR, has_captured_step
 from engine.metrics import (DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off,
                             lookup_work)
 from engine.models import ModelPair
@@ -38,15 +40,17 @@ HF_ASSISTED = "hf-assisted"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
 PEERS = (HF_ASSISTED, HF_PROMPT_LOOKUP)  # transformers' own generate loops: greedy only
 AR_COMPILED = "ar-compiled"
-AR_GRAPH = "ar-graph"
-AR_METHODS = ("ar", AR_COMPILED, AR_GRAPH)
+AR_CAPTURED = "ar-captured"
+AR_EAGER = "ar-eager"
+AR_METHODS = ("ar", AR_EAGER, AR_CAPTURED, AR_COMPILED)
+EAGER = "/eager"  # a method's suffix: run it with the pair's captured steps off
 COMPILED_AR_MODES = ("auto", "on", "off")
 
 
 def split_method(method: str, preset: str = "cpu") -> tuple[str, str]:
     """"dynatree+lookup-history:a_star=0.5@auto" -> ("dynatree", "auto"): one bench run may compare presets,
     switches and parameter values of a strategy, interleaved."""
-    name, _, own = method.partition("@")
+    name, _, own = method.removesuffix(EAGER).partition("@")
     return re.split(r"[+\-:]", name)[0], own or preset
 
 
@@ -57,7 +61,7 @@ def method_params(method: str) -> dict[str, Any]:
     and peers (ar-compiled, hf-assisted, ...) have none."""
     if method in AR_METHODS or method in PEERS:
         return {}
-    head, *settings = method.partition("@")[0].split(":")
+    head, *settings = method.removesuffix(EAGER).partition("@")[0].split(":")
     name, *signed = re.split(r"([+-])", head)
     if name not in STRATEGIES:
         return {}
@@ -83,10 +87,10 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
     """One run of `method` on `prompt`. `params` maps a strategy's name to its parameters; `verifier` is a rule's
     name, or a Verifier instance (scripts/rules_bench.py wraps rules to record acceptance)."""
     sampling = sampling or Sampling()
-    if method in (AR_COMPILED, AR_GRAPH):
+    if method in (AR_COMPILED, AR_CAPTURED):
         if method == AR_COMPILED and compiled is None:
             raise ValueError("ar-compiled needs the bench's CompiledAR (bench(..., compiled_ar='on'))")
-        loop = compiled if method == AR_COMPILED else GraphedAR(pair)
+        loop = compiled if method == AR_COMPILED else CapturedAR(pair)
         return loop.generate(encode_prompt(pair.tokenizer, prompt), max_new_tokens, sampling,
                              tuple(pair.eos_token_ids))
     if method in PEERS:
@@ -95,11 +99,12 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
         if method == HF_PROMPT_LOOKUP:
             return hf_prompt_lookup(pair, prompt, max_new_tokens)
         return hf_assisted(pair, prompt, max_new_tokens)
-    name, preset = split_method(method, preset)
+    eager = method == AR_EAGER or method.endswith(EAGER)
+    name, preset = split_method("ar" if method == AR_EAGER else method, preset)
     spec = RunSpec(pair=pair.target_name, prompt=prompt, strategy=name, preset=preset,
                    params={**(params or {}).get(name, {}), **method_params(method)}, max_new_tokens=max_new_tokens,
-                   **sampling.as_dict(),
-                   verifier=verifier if isinstance(verifier, str) and verifier else "auto")
+                   **sampling.as_dict(), verifier=verifier if isinstance(verifier, str) and verifier else "auto",
+                   capture="off" if eager else "auto")
     result = generate(pair, spec, verifier if isinstance(verifier, Verifier) else None)
     return {"output_ids": result.output_ids, "new_tokens": len(result.output_ids),
             "total_s": result.metrics["total_s"], "result": result}
@@ -114,8 +119,9 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
     sampling = sampling or Sampling()
     sets = ["code", "chat", "prose"] if prompt_set == "all" else [prompt_set]
     compiled = compiled_baseline(pair, methods, compiled_ar, sets, limit, max_new_tokens, log)
-    # every AR first: every speedup divides by the fastest of them (ar-graph wherever the pair replays graphs)
-    ars = ["ar"] + ([AR_COMPILED] if compiled else []) + ([AR_GRAPH] if pair.graphs else [])
+    # every AR first: every speedup divides by the fastest of them
+    ars = (["ar"] + ([AR_EAGER] if pair.capture_ready else []) + ([AR_CAPTURED] if has_captured_step(pair) else [])
+           + ([AR_COMPILED] if compiled else []))
     methods = ars + [m for m in methods if m not in AR_METHODS]
     # Warm-up, excluded: first calls pay for allocator growth and kernel selection.
     warm = load_prompt_set(sets[0])[0]["prompt"]
@@ -165,8 +171,8 @@ def compiled_baseline(pair: ModelPair, methods: list[str], mode: str, sets: list
     """The ar-compiled baseline, compiled before any timing for every cache size the prompts need, or None."""
     if mode not in COMPILED_AR_MODES:
         raise ValueError(f"compiled_ar must be one of {', '.join(COMPILED_AR_MODES)}, got {mode!r}")
-    if mode == "off" and AR_COMPILED not in methods:
-        return None
+    if (mode == "off" or (mode == "auto" and has_captured_step(pair))) and AR_COMPILED not in methods:
+        return None  # auto: the captured one-row step is the same recipe, compiled ahead of time
     reason = compile_available(pair.device)
     if reason:
         if mode == "auto":
@@ -205,7 +211,7 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
                            "speedup": tps / ar_tps,
                            "exact_match_rate": sum(exact) / len(outs) if len(exact) == len(outs) else None}
     results: list[RunResult] = [o["result"] for o in outs if "result" in o]
-    if not results and all(o.get("tpot_s") for o in outs):  # ar-compiled / ar-graph time their own prefill, steps
+    if not results and all(o.get("tpot_s") for o in outs):  # ar-compiled / ar-captured time their own prefill, steps
         row["ttft_s"] = sum(o["ttft_s"] for o in outs) / len(outs)
         row["tpot_s"] = sum(o["tpot_s"] for o in outs) / len(outs)
     if results:
@@ -243,7 +249,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{fmt(r.get('acceptance_rate'), '7.2f')} {fmt(r.get('iterations'), '6.1f')} "
             f"{fmt(r.get('ttft_s'), '7.3f')} {fmt(r.get('tpot_s'), '7.3f')} {fmt(r['exact_match_rate'], '6.2f')}")
     baselines = {r["prompt_set"]: r.get("baseline", "ar") for r in report["rows"]}
-    if any(r["method"] in (AR_COMPILED, AR_GRAPH) for r in report["rows"]):  # else the baseline is "ar"
+    if any(r["method"] in AR_METHODS[1:] for r in report["rows"]):  # else the baseline is "ar"
         lines += ["", "speedup = tok/s ÷ the faster AR on the set: " +
                   ", ".join(f"{name} {b}" for name, b in baselines.items())]
     costs = report.get("config", {}).get("costs")

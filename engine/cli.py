@@ -32,11 +32,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto = both int8 and int4, the router picks per row count (the app's default)")
     p.add_argument("--steps", default="auto", choices=("auto", "static", "dynamic"),
                    help="model forwards on a growing cache (dynamic) or a preallocated one with row-count buckets "
-                        "(static); auto: static exactly when CUDA graphs are on (default auto)")
-    p.add_argument("--cuda-graphs", default="off", choices=("auto", "on", "off"),
-                   help="replay one captured CUDA graph per row-count bucket and model (docs/gpu.md); auto: on for "
-                        "a CUDA device; the cost table is measured on the same steps. Default off until a GPU run "
-                        "has validated the captured path")
+                        "(static); auto: static exactly when the run takes captured steps (default auto)")
+    p.add_argument("--capture", default="auto", choices=("auto", "on", "off"),
+                   help="captured steps (docs/capture.md): on CPU, each model's forwards compiled ahead of time by "
+                        "AOTInductor once per machine (minutes the first time, seconds after) and used at the row "
+                        "counts where they measure faster; on CUDA, one CUDA graph per row-count bucket (only with "
+                        "'on' until a GPU run has validated them). auto: CPU packages where a C++ compiler exists")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the forward-cost table again instead of reading it from the cache")
     p.add_argument("--preset", default=None,
@@ -144,6 +145,7 @@ def _models(args) -> tuple[str, str | None]:
 
 
 def _load(args):
+    from engine.capture import prepare_capture
     from engine.models import load_pair
     target, draft = _models(args)
 
@@ -153,7 +155,8 @@ def _load(args):
     pair = load_pair(target, draft, dtype=args.dtype, device=args.device,
                      trust_remote_code=args.trust_remote_code, packed=args.packed_weights, progress=progress,
                      draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, recalibrate=args.recalibrate,
-                     cuda_graphs=args.cuda_graphs)
+                     capture=args.capture)
+    prepare_capture(pair, progress, args.recalibrate)
     print(pair.describe(), file=sys.stderr)
     return pair
 
@@ -171,7 +174,7 @@ def _run_spec(args) -> RunSpec:
                    params=_strategy_params(args, args.strategy), max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                    verifier=args.verifier or "auto", stop_on_eos=not args.no_eos, stop_strings=tuple(args.stop or ()),
-                   steps=args.steps, cuda_graphs=args.cuda_graphs)
+                   steps=args.steps)
     check_spec(spec)
     return spec
 
@@ -242,8 +245,8 @@ def cmd_bench(args) -> int:
     for m, (name, own) in names.items():  # `own`: the method's preset (named apart: `preset` is every method's default)
         if m not in (*PEERS, *AR_METHODS) and name not in STRATEGIES:
             raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, {', '.join(PEERS)}, "
-                                f"ar-compiled, ar-graph (a strategy may name switches and its preset: "
-                                f"dynatree+lookup@auto)")
+                                "ar-eager, ar-captured, ar-compiled (a strategy may name switches and its preset, and "
+                                "end in /eager to run without captured steps: dynatree+lookup@auto/eager)")
         method_params(m)
         if name in STRATEGIES and own not in STRATEGIES[name].preset_names():
             raise StrategyError(f"{name} has no preset {own!r}; choose from {STRATEGIES[name].preset_names()}")
@@ -260,9 +263,12 @@ def cmd_bench(args) -> int:
 
 
 def cmd_costs(args) -> int:
+    from engine.capture import format_capture
     from engine.costs import format_costs
     pair = _load(args)
     print(format_costs(pair.costs, pair.routing()))
+    if pair.capture_info:
+        print(format_capture(pair))
     if args.json:
         Path(args.json).write_text(json.dumps(pair.costs.to_dict(), indent=1))
         print(f"wrote {args.json}", file=sys.stderr)

@@ -24,19 +24,16 @@ The cost of it:
 """
 from __future__ import annotations
 
-import os
 import time
-from contextlib import contextmanager
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from engine.attention import compiled_attention
 from engine.kernels import forcing
 from engine.runtime import synchronize
 from engine.sampling import Sampling
 
 CACHE_STEP = 384  # positions; finer steps cost a compile and a weight copy per size, coarser ones slower steps
-GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: grouped-query heads in SDPA even with a mask
 
 
 class CompileError(RuntimeError):
@@ -58,21 +55,6 @@ def compile_available(device: torch.device) -> str | None:
 def round_to_step(total: int, step: int = CACHE_STEP) -> int:
     """The static cache length for `total` positions: the smallest whole number of `step`s that holds them."""
     return -(-total // step) * step
-
-
-@contextmanager
-def compiled_attention():
-    """Attention as the compiled step traces and runs it: SDPA's math backend, grouped-query heads unexpanded."""
-    before = os.environ.get(GQA_SWITCH)
-    os.environ[GQA_SWITCH] = "1"
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        if before is None:
-            os.environ.pop(GQA_SWITCH, None)
-        else:
-            os.environ[GQA_SWITCH] = before
 
 
 class CompiledAR:
@@ -128,7 +110,7 @@ class CompiledAR:
         synchronize(self.device)
         ttft = time.perf_counter() - start
         # inductor must see an ordinary matmul with a constant weight to choose and pack its own kernel
-        with forcing(self.model, "plain"), compiled_attention():
+        with forcing(self.model, "plain"), compiled_attention(self.model):
             while len(out) < max_new_tokens and out[-1] not in eos_ids:
                 pos = len(prompt_ids) + len(out) - 1
                 first = time.perf_counter() if size not in self.compile_s else None

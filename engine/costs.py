@@ -10,7 +10,8 @@ of 1, 2, 4, ... 64 rows over it with the verification's additive mask, each path
 fastest of REPEATS
 (after one discarded warm-up call per path). The cache is rolled back after each call, so every call sees the same
 prefix. On CUDA, timing synchronises the device and the only path is torch's own. Where runs replay CUDA graphs
-(engine/steps.py) the table is measured through those same steps, one graph per rung (`measure_static`): a GPU's
+(engine/steps.py) the table is measured through those same steps, one graph per rung (engine/capture.py
+`measure_graphed`): a GPU's
 eager forwards cost what the host takes to launch them, which says nothing about a replay.
 
 The table then decides three things: the routing (each row count to its fastest path), the predicted cost of an
@@ -23,7 +24,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ PREFIX = 300
 # same file under "contexts" so a table cached before they existed still loads and only they are measured.
 CONTEXTS = (1200,)
 REPEATS = 3
+CAPTURED = "captured"  # the path name of a model's captured steps in a table (never a kernel route)
 FORMAT = 2  # bump when the meaning of a cached table changes
 _STREAM_BYTES = 1 << 30  # streaming-read probe: large enough to defeat every cache level
 
@@ -85,7 +87,8 @@ def model_identity(model, name: str) -> str:
 
 def table_key(model, name: str, dtype: torch.dtype, device: torch.device, graphs: bool = False) -> dict:
     key = {"format": FORMAT, "model": model_identity(model, name), "dtype": str(dtype).removeprefix("torch."),
-           "prefix": PREFIX, "ladder": list(LADDER), **machine(device)}
+           "prefix": PREFIX, "ladder": list(LADDER), **machine(device),
+           "attention": getattr(model.config, "_attn_implementation", None)}
     return {**key, "steps": "cuda-graphs"} if graphs else key
 
 
@@ -112,18 +115,27 @@ def interpolate(points: dict[int, float], rows: int) -> float:
 
 @dataclass
 class ModelCosts:
-    """Median forward seconds of one model: seconds[path][rows]."""
+    """Median forward seconds of one model: seconds[path][rows] for each eager kernel path; `captured[context][rows]`
+    through its captured steps (engine/capture.py), and `serves`: the row counts those serve (only where faster) ->
+    the rows each actually runs (a static package pads to its bucket)."""
     name: str
     seconds: dict[str, dict[int, float]]
     measured: bool = False  # measured in this process (False: read from the disk cache)
     step_bytes: int = 0  # linear weight bytes one single-row step reads on the installed routing
     busy: float | None = None  # 1-minute load average per core when measured: above ~0.5 other work shared the CPU
     contexts: dict[int, dict[str, dict[int, float]]] = field(default_factory=dict)  # other context lengths' tables
+    captured: dict[int, dict[int, float]] = field(default_factory=dict)
+    serves: dict[int, int] = field(default_factory=dict)
 
     def time(self, rows: int, path: str | None = None, context: int | None = None) -> float:
-        """Seconds of a forward of `rows` rows on `path` (default: the fastest path for that row count) over a cache
-        of `context` tokens (default PREFIX): linear in rows between rungs, then linear in context between the
-        measured context lengths (flat below the first, the last slope beyond)."""
+        """Seconds of a forward of `rows` rows on `path` (default: the way a run takes it: captured where a captured
+        step serves `rows`, else the fastest eager path) over a cache of `context` tokens (default PREFIX): linear
+        in rows between rungs, then linear in context between the measured context lengths."""
+        if path == CAPTURED or (path is None and rows in self.serves):
+            return self.captured_time(self.serves.get(rows, rows), context)
+        return self.eager_time(rows, path, context)
+
+    def eager_time(self, rows: int, path: str | None = None, context: int | None = None) -> float:
         tables = {PREFIX: self.seconds, **self.contexts} if context is not None else {PREFIX: self.seconds}
         at = {}
         for length, seconds in tables.items():
@@ -131,11 +143,16 @@ class ModelCosts:
                           min(interpolate(points, rows) for points in seconds.values()))
         return interpolate(at, context if context is not None else PREFIX)
 
+    def captured_time(self, rows: int, context: int | None = None) -> float:
+        """Seconds of the captured forward that runs `rows` rows (padding already applied)."""
+        at = {length: interpolate(points, rows) for length, points in self.captured.items()}
+        return interpolate(at, context if context is not None else PREFIX)
+
     def best_path(self, rows: int) -> str:
         return min(self.seconds, key=lambda p: interpolate(self.seconds[p], rows))
 
     def routing(self, max_rows: int = LADDER[-1]) -> list[str]:
-        """The fastest path for each row count 1..max_rows (what a Router installs)."""
+        """The fastest eager kernel path for each row count 1..max_rows (what a Router installs)."""
         return [self.best_path(r) for r in range(1, max_rows + 1)]
 
 
@@ -168,33 +185,6 @@ def measure(model, paths: list[str], ladder=LADDER, prefix: int = PREFIX, repeat
     return {p: {r: min(v) for r, v in by_rows.items()} for p, by_rows in samples.items()}
 
 
-def measure_static(model, paths: list[str], ladder=LADDER, prefix: int = PREFIX, repeats: int = REPEATS
-                    ) -> dict[str, dict[int, float]]:
-    """`measure`'s table through the engine's static steps, graphed on CUDA: one CUDA graph per rung on a cache as
-    long as a run at `prefix` tokens would get (steps.graph_capacity), each rung's forward timed from its inputs'
-    copy to its logits, synchronised; fastest of `repeats` whole sweeps after one warm-up sweep. One path ("plain":
-    a GPU has no kernel routing); `paths` is accepted for measure's signature. (On a CPU the same steps run eagerly:
-    what the tests check.)"""
-    from engine.steps import StaticSteps, graph_capacity
-
-    ids = probe_ids(model, prefix + max(ladder)).tolist()
-    device = next(model.parameters()).device
-    steps = StaticSteps(model, graph_capacity(prefix + max(ladder)), tuple(ladder), graphs=device.type == "cuda")
-    samples: dict[int, list[float]] = {r: [] for r in ladder}
-    with torch.inference_mode():
-        steps.prefill(ids[:prefix])
-        for sweep in range(repeats + 1):
-            for rows in ladder:
-                synchronize(device)
-                start = time.perf_counter()
-                steps.forward(ids[prefix:prefix + rows], list(range(prefix, prefix + rows)))
-                synchronize(device)
-                if sweep:
-                    samples[rows].append(time.perf_counter() - start)
-                steps.keep(prefix, [])
-    return {"plain": {r: min(v) for r, v in samples.items()}}
-
-
 def timed_forward(model, ids: torch.Tensor, prefix: int, rows: int, cache) -> float:
     """Seconds of one forward of `rows` rows after the cached prefix; the cache is rolled back after."""
     device = ids.device
@@ -219,11 +209,10 @@ def _causal_mask(prefix: int, rows: int, dtype: torch.dtype, device: torch.devic
 def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, recalibrate: bool = False,
                 measure_fn=measure, graphs: bool = False) -> ModelCosts:
     """The model's table for the paths it has: from the disk cache where it holds them, else measured and saved.
-    `graphs`: measured on replayed CUDA graphs (measure_static, unless a `measure_fn` is given), cached apart."""
+    `graphs`: the table of replayed CUDA graphs (`measure_fn` then times them: engine/capture.py
+    `measure_graphed`), cached apart from the eager one."""
     router = router_of(model)
     paths = list(router.paths) if router is not None else ["plain"]
-    if graphs and measure_fn is measure:
-        measure_fn = measure_static
     key = table_key(model, name, dtype, device, graphs)
     file = _key_file(key)
     stored: dict[str, dict[int, float]] = {}
@@ -321,6 +310,11 @@ class PairCosts:
     bandwidth: float | None = None  # streaming-read bytes per second of the machine
     notes: list[str] = field(default_factory=list)
 
+    def eager(self) -> "PairCosts":
+        """The same tables pricing only the eager paths: what a run with captured steps off costs."""
+        strip = lambda t: None if t is None else replace(t, serves={})  # noqa: E731
+        return replace(self, target=strip(self.target), draft=strip(self.draft))
+
     @property
     def step(self) -> float:
         """Seconds of one target step (1 row): the unit of c and t(n)."""
@@ -347,12 +341,12 @@ class PairCosts:
 
     def to_dict(self) -> dict:
         """Plain JSON-able summary (for bench reports and traces)."""
-        out = {"target": {"name": self.target.name, "seconds": self.target.seconds,
-                          "step_bytes": self.target.step_bytes},
-               "c": self.c, "t": {r: self.t(r) for r in LADDER},
+        out = {"c": self.c, "t": {r: self.t(r) for r in LADDER},
                "bandwidth_bytes_per_s": self.bandwidth, "ar_bytes_per_s": self.ar_bandwidth()}
-        if self.draft is not None:
-            out["draft"] = {"name": self.draft.name, "seconds": self.draft.seconds, "step_bytes": self.draft.step_bytes}
+        for role, table in (("target", self.target), ("draft", self.draft)):
+            if table is not None:
+                out[role] = {"name": table.name, "seconds": table.seconds, "step_bytes": table.step_bytes,
+                             "captured": table.captured, "serves": spans(table.serves)}
         return out
 
 
@@ -376,6 +370,17 @@ def calibrate_pair(pair, recalibrate: bool = False, progress=None, measure_fn=me
     return PairCosts(tables["target"], tables["draft"], bandwidth)
 
 
+def spans(rows) -> str:
+    """[1, 2, 3, 5, 6] -> '1-3, 5-6' ('none' when empty)."""
+    rows, out, start = sorted(rows), [], None
+    for i, r in enumerate(rows):
+        start = r if start is None else start
+        if i + 1 == len(rows) or rows[i + 1] != r + 1:
+            out.append(f"{start}-{r}" if r > start else f"{r}")
+            start = None
+    return ", ".join(out) or "none"
+
+
 def format_costs(costs: PairCosts, routing: dict[str, str] | None = None) -> str:
     """The cost table as text: ms per path and row count, c, t(n), routing, and AR against the bandwidth bound."""
     head = "model   path    " + "".join(f"{r:>8d}" for r in LADDER) + "   (ms per forward, rows)"
@@ -387,8 +392,14 @@ def format_costs(costs: PairCosts, routing: dict[str, str] | None = None) -> str
             if path in table.seconds:
                 cells = "".join(f"{table.seconds[path][r] * 1000:8.1f}" for r in LADDER)
                 lines.append(f"{role:7s} {path:7s} {cells}")
-        routed = "".join(f"{table.time(r) * 1000:8.1f}" for r in LADDER)
+        routed = "".join(f"{table.eager_time(r) * 1000:8.1f}" for r in LADDER)
         lines.append(f"{role:7s} {'routed':7s} {routed}")
+        if table.captured:
+            at = table.captured.get(PREFIX, {})
+            cells = "".join(f"{at[r] * 1000:8.1f}" if r in at else f"{'-':>8s}" for r in LADDER)
+            lines.append(f"{role:7s} {CAPTURED:7s} {cells}")
+            run = "".join(f"{table.time(r) * 1000:8.1f}" for r in LADDER)
+            lines.append(f"{role:7s} {'as run':7s} {run}   (captured where it serves: rows {spans(table.serves)})")
     lines.append("")
     lines.append("t(n) = verify n rows / target step: " +
                  "  ".join(f"t({r})={costs.t(r):.2f}" for r in LADDER))

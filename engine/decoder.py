@@ -22,11 +22,11 @@ from engine.autosize import AutoSizer
 from engine.drafter import Drafter, softmax_processor
 from engine.metrics import run_metrics
 from engine.prompts import Prompt, PromptError, encode_prompt, prompt_text
-from engine.records import iteration_cost, iteration_record, margins
+from engine.records import complete_record, iteration_cost, iteration_record, margins
 from engine.runtime import synchronize
 from engine.sampling import Sampling
 from engine.selector import FeatureTaps
-from engine.steps import DynamicSteps, pair_static_steps, wants_static
+from engine.steps import DynamicSteps, pair_static_steps
 from engine.strategies.base import Strategy
 from engine.trace import IterationRecord, RunResult
 from engine.tree import DraftTree
@@ -76,6 +76,7 @@ class RunState:
     sources: list[dict[str, Any]] = field(default_factory=list)  # per output token: iteration, kind, margin, text
     stop_reason: str = ""               # set when decoding must stop ("eos", "max_new_tokens", "stop_string")
     width: int | None = None            # the width of the target's logits rows (set by the prefill)
+    pending: tuple | None = None        # the last iteration's (record, tree, logits), until `complete` reads them
 
 
 @dataclass
@@ -97,23 +98,20 @@ class DecodeRun:
         decoder = self.decoder
         with torch.inference_mode():
             state = decoder.start(self.prompt, self.stop)
-        try:
+            decoder.prefill(state, self.stop)
+        self.state = state
+        while not state.stop_reason:
             with torch.inference_mode():
-                decoder.prefill(state, self.stop)
-            self.state = state
-            while not state.stop_reason:
-                with torch.inference_mode():
-                    record = decoder.step(state, self.stop)
-                self._paused_at = time.perf_counter()
-                yield record
-                self.paused_s += time.perf_counter() - self._paused_at
-                self._paused_at = None
-            synchronize(decoder.pair.device)
-            total = time.perf_counter() - state.started - self.paused_s
-            self.result = decoder.result(self.prompt, self.stop, state, total)
-        finally:
-            if state.taps is not None:
-                state.taps.remove()
+                record = decoder.step(state, self.stop)
+            self._paused_at = time.perf_counter()  # the clock stops: completing the record is not decoding
+            with torch.inference_mode():
+                decoder.complete(state)
+            yield record
+            self.paused_s += time.perf_counter() - self._paused_at
+            self._paused_at = None
+        synchronize(decoder.pair.device)
+        total = time.perf_counter() - state.started - self.paused_s
+        self.result = decoder.result(self.prompt, self.stop, state, total)
 
     def snapshot(self) -> RunResult | None:
         """The run so far as a RunResult: metrics over the iterations done, decoding wall time up to the last step
@@ -131,11 +129,11 @@ class Decoder:
     (`start`, `prefill`, `step`, `result`) are what a DecodeRun drives; they keep no state of their own."""
 
     def __init__(self, pair: "ModelPair", strategy: Strategy, verifier: Verifier | None = None,
-                 sampling: Sampling | None = None, steps: str = "auto", cuda_graphs: str = "auto"):
-        """steps "auto" | "static" | "dynamic", cuda_graphs "auto" | "on" | "off": engine/steps.py. steps "auto" is
-        static exactly when graphs are on; graphs "auto" follow the pair (`pair.graphs`, decided when it loaded: on
-        when it was loaded with cuda_graphs "on" or "auto" on a CUDA device; off by default), so runs take the steps its
-        cost table measured."""
+                 sampling: Sampling | None = None, steps: str = "auto", capture: str = "auto"):
+        """steps "auto" | "static" | "dynamic" (engine/steps.py): "auto" is static exactly when the run takes the
+        pair's captured steps; capture "auto" | "off": "auto" takes them wherever the pair has them ready
+        (engine/capture.py), so runs take the steps its cost table measured; "off" runs eagerly (the bench's
+        eager AR)."""
         if strategy.uses_draft and pair.draft is None:
             raise ValueError(f"strategy {strategy.name!r} needs a draft model, and this pair has none")
         self.pair, self.strategy = pair, strategy
@@ -145,10 +143,13 @@ class Decoder:
             raise VerificationError(f"verification rule {self.verifier.name!r} is exact only at temperature 0; "
                                     f"at temperature {self.sampling.temperature:g} pick a sampling rule")
         self.verifier.check_strategy(strategy)
-        if cuda_graphs == "auto":
-            cuda_graphs = "on" if pair.graphs else "off"
-        self.static = wants_static(steps, cuda_graphs, pair.device)
-        self.cuda_graphs = cuda_graphs
+        if steps not in ("auto", "static", "dynamic") or capture not in ("auto", "off"):
+            raise ValueError(f"steps must be auto, static or dynamic and capture auto or off, not {steps!r} / "
+                             f"{capture!r}")
+        self.captured = capture == "auto" and pair.capture_ready
+        self.static = steps == "static" or (steps == "auto" and self.captured)
+        # the cost table priced as this decoder's forwards run: with captured steps, or eager
+        self.costs = pair.costs if pair.costs is None or self.captured else pair.costs.eager()
 
     def run(self, prompt: Prompt, max_new_tokens: int = 64, stop_on_eos: bool = True,
             stop_strings: tuple[str, ...] = (), eos_token_ids: list[int] | None = None) -> DecodeRun:
@@ -182,13 +183,14 @@ class Decoder:
         if strategy.uses_draft:
             drafter = Drafter(pair.draft, process, generator, self._steps("draft", len(prompt_ids), stop))
         # The neural selector's features: hooks on both models' final norms, only when the strategy asks for them.
+        target = self._steps("target", len(prompt_ids), stop)
         taps = None
         if drafter is not None and strategy.wants_features:
-            taps = drafter.taps = FeatureTaps(pair, sampling, self.verifier.name)
+            taps = drafter.taps = FeatureTaps(pair, sampling, self.verifier.name, target, drafter.steps, self.costs)
         sizer = None
-        if strategy.auto and pair.costs is not None and drafter is not None:
-            sizer = AutoSizer(strategy, pair.costs)
-        return RunState(prompt_ids, self._steps("target", len(prompt_ids), stop), drafter, generator, taps, sizer)
+        if strategy.auto and self.costs is not None and drafter is not None:
+            sizer = AutoSizer(strategy, self.costs)
+        return RunState(prompt_ids, target, drafter, generator, taps, sizer)
 
     def _steps(self, role: str, prompt_len: int, stop: StopRule):
         """A model's steps for a new run: the dynamic path, or the pair's static steps reset (built once per pair and
@@ -196,7 +198,7 @@ class Decoder:
         capturing its graphs takes seconds)."""
         if not self.static:
             return DynamicSteps(self.pair.target if role == "target" else self.pair.draft)
-        return pair_static_steps(self.pair, role, prompt_len, stop.max_new_tokens, self.cuda_graphs)
+        return pair_static_steps(self.pair, role, prompt_len, stop.max_new_tokens, self.captured)
 
     def prefill(self, state: RunState, stop: StopRule) -> None:
         """The prompt fills the target cache; its last row gives the first token, the first root."""
@@ -216,20 +218,31 @@ class Decoder:
         state.ttft = time.perf_counter() - state.started
 
     def step(self, state: RunState, stop: StopRule) -> IterationRecord:
-        """One iteration: draft a tree, verify it in one target forward, commit what the rule accepted."""
-        record, logits = self._iteration(state, stop)
-        new = record.new_tokens
+        """One iteration: draft a tree, verify it in one target forward, commit what the rule accepted. The record
+        holds what decoding needs; `complete` adds what only its readers need."""
+        record, tree, logits = self._iteration(state, stop)
         if state.sizer is not None:
             state.sizer.observe(record)
             record.cost.auto = state.sizer.last
-        state.generated += new
-        kept_margins = margins(logits[record.accepted_path])[: len(new)]
-        for i, token in enumerate(new):
-            kind = "accepted" if i < record.accepted else "bonus"
-            state.sources.append({"iteration": record.index, "kind": kind, "margin": kept_margins[i],
-                                  "text": self.pair.tokenizer.decode([token])})
+        state.generated += record.new_tokens
         state.records.append(record)
+        state.pending = (record, tree, logits)
         return record
+
+    def complete(self, state: RunState) -> None:
+        """The last iteration's record made whole (p, top-10 p and q, texts) and its tokens' sources recorded: work
+        for the views and traces, done outside the decode time (DecodeRun pauses its clock around it)."""
+        if state.pending is None:
+            return
+        record, tree, logits = state.pending
+        state.pending = None
+        complete_record(record, self.pair.tokenizer, self.sampling, tree, logits)
+        new = record.new_tokens
+        kept_margins = margins(logits[record.accepted_path])[: len(new)]
+        texts = self.pair.tokenizer.batch_decode([[token] for token in new])
+        for i, text in enumerate(texts):
+            state.sources.append({"iteration": record.index, "kind": "accepted" if i < record.accepted else "bonus",
+                                  "margin": kept_margins[i], "text": text})
 
     def result(self, prompt: Prompt, stop: StopRule, state: RunState, total: float,
                reason: str | None = None) -> RunResult:
@@ -241,6 +254,7 @@ class Decoder:
             output_text=pair.tokenizer.decode(generated, skip_special_tokens=False),
             strategy=strategy.name, params=dict(strategy.config),
             config={"target": pair.target_name, "draft": pair.draft_name if strategy.uses_draft else None,
+                    "steps": self.steps_label(),
                     "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
                     "verifier": self.verifier.name, "sampling": self.sampling.as_dict(),
                     "max_new_tokens": stop.max_new_tokens,
@@ -248,15 +262,22 @@ class Decoder:
             iterations=list(state.records), metrics=run_metrics(state.records, len(generated), total, state.ttft),
             stop_reason=state.stop_reason if reason is None else reason, token_sources=list(state.sources))
 
-    def _iteration(self, state: RunState, stop: StopRule) -> tuple[IterationRecord, torch.Tensor]:
-        """The iteration's record (stop truncation applied, times and cost filled in) and the target's logits."""
+    def steps_label(self) -> str:
+        """How this decoder's forwards run: "captured (AOTInductor)", "CUDA graphs" or "eager"."""
+        if not self.captured:
+            return "eager"
+        return "CUDA graphs" if self.pair.graphs else "captured (AOTInductor)"
+
+    def _iteration(self, state: RunState, stop: StopRule) -> tuple[IterationRecord, DraftTree, torch.Tensor]:
+        """The iteration's record (stop truncation applied, times and cost filled in), its tree and the target's
+        logits."""
         pair, strategy, drafter = self.pair, self.strategy, state.drafter
         committed = state.prompt_ids + state.generated
         t0 = time.perf_counter()
         root_pos = len(committed) - 1
         tree = DraftTree(root_token=committed[-1])
         if strategy.uses_context:  # context lookup: the committed stream, and the width of the target's rows
-            strategy.see_context(committed, vocab_size=state.width, device=pair.device, costs=pair.costs)
+            strategy.see_context(committed, vocab_size=state.width, device=pair.device, costs=self.costs)
         if drafter is not None:
             drafter.begin(tree, committed)
         strategy.build(drafter, tree)  # drafter None: a strategy without a draft (AR's build adds nothing)
@@ -275,17 +296,16 @@ class Decoder:
 
         proposed = [tree.tokens[n] for n in path[1:]] + [verdict.bonus]
         new, state.stop_reason = stop.cut(pair.tokenizer, state.generated, proposed)
-        record = iteration_record(pair.tokenizer, self.sampling, len(state.records), root_pos, tree, verdict,
-                                  logits, new, params)
+        record = iteration_record(len(state.records), root_pos, tree, verdict, new, params)
         draft_s = drafter.seconds if drafter is not None else 0.0
         t4 = time.perf_counter()
         record.draft_forwards = drafter.forwards if drafter is not None else 0
         record.times = {"draft": draft_s, "build": t1 - t0 - draft_s, "verify": t2 - t1, "commit": t3 - t2,
                         "other": t4 - t3, "total": t4 - t0}
-        if pair.costs is not None:
-            record.cost = iteration_cost(pair.costs, drafter.row_counts if drafter is not None else [], len(tree),
+        if self.costs is not None:
+            record.cost = iteration_cost(self.costs, drafter.row_counts if drafter is not None else [], len(tree),
                                          record.times, context=root_pos)
-        return record, logits
+        return record, tree, logits
 
     def _verify(self, state: RunState, tree: DraftTree, root_pos: int):
         """One target forward over [root, n1..nk] at positions P + depth under the ancestor-only mask, then the

@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 
-from engine.runtime import synchronize
 from engine.steps import DynamicSteps
 from engine.tree import DraftTree
 
@@ -71,13 +70,13 @@ class Drafter:
             logits = self._forward_nodes(nodes)
             self.row_counts.append(len(nodes))
         probs = self.process(logits.float())
-        synchronize(self.device)
+        confidence = probs.max(dim=-1).values.tolist()  # the level's one read to the host
         self.forwards += 1
         self.seconds += time.perf_counter() - start
-        for node, dist in zip(nodes, probs):
-            tree.confidence[node] = float(dist.max())
+        for i, node in enumerate(nodes):
+            tree.confidence[node] = confidence[i]
             if self.taps is not None:
-                self.dists[node] = dist
+                self.dists[node] = probs[i]
         return probs
 
     def _forward_root(self) -> torch.Tensor:

@@ -20,53 +20,55 @@ if TYPE_CHECKING:
     from engine.costs import PairCosts
 
 
-def iteration_record(tokenizer, sampling: Sampling, index: int, root_pos: int, tree: DraftTree, verdict: Verdict,
-                     logits: torch.Tensor, new: list[int], params: dict) -> IterationRecord:
-    """The record of one iteration; its times, draft forwards and cost are the decoder's to fill in."""
+def iteration_record(index: int, root_pos: int, tree: DraftTree, verdict: Verdict, new: list[int],
+                     params: dict) -> IterationRecord:
+    """The record of one iteration as decoding needs it (the tree's shape, every node's outcome, what was
+    committed); its times, draft forwards and cost are the decoder's to fill in, and what only a reader needs (the
+    target's p, the top-10 p and q, decoded texts) `complete_record` adds after the timed section."""
     path = verdict.path
-    parents = sorted({p for p in tree.parents if p >= 0} | {path[-1]})
+    on_path = set(path)
+    nodes = []
+    for i, token in enumerate(tree.tokens):
+        parent = tree.parents[i]
+        status = (ROOT if i == 0 else ACCEPTED if i in on_path else REJECTED if parent in on_path else UNREACHED)
+        nodes.append(NodeRecord(
+            id=i, parent=parent, token=token, text="", depth=tree.depths[i], q=tree.q[i] if i else None,
+            rank=tree.ranks[i] if i else None, path_q=tree.path_q[i], p=None, status=status,
+            accept_prob=verdict.accept_prob.get(i), draws=tree.multiplicity(i) if i else 1, source=tree.source[i]))
+    last = path[-1]
+    bonus_q = float(tree.child_dist[last][verdict.bonus]) if last in tree.child_dist else None
+    nodes.append(NodeRecord(
+        id=len(tree), parent=last, token=verdict.bonus, text="", depth=tree.depths[last] + 1, q=bonus_q, rank=None,
+        path_q=tree.path_q[last] * bonus_q if bonus_q is not None else None, p=None, status=BONUS,
+        resampled=verdict.resampled, source="target"))
+    return IterationRecord(
+        index=index, position=root_pos, nodes=nodes, accepted_path=path, bonus_token=verdict.bonus, bonus_text="",
+        new_tokens=list(new), drafted=tree.num_drafted, accepted=min(len(path) - 1, len(new)), draft_forwards=0,
+        params=params, times={}, extra=dict(tree.extra))
+
+
+def complete_record(record: IterationRecord, tokenizer, sampling: Sampling, tree: DraftTree,
+                    logits: torch.Tensor) -> None:
+    """Fill in what the reader of a record needs (the app's views, --json), from the iteration's tensors: every
+    node's target probability p and text, the top of p after every node the target scored and of q after every node
+    the draft expanded. Runs outside the decode time (engine/decoder.py DecodeRun): none of it is decoding."""
+    bonus = record.nodes[-1]
+    parents = sorted({p for p in tree.parents if p >= 0} | {bonus.parent})
     rows = logits[parents].float()
     # p as the rule saw it: the processed target distribution when sampling, the softmax when greedy.
     probs = torch.softmax(rows, dim=-1) if sampling.greedy else sampling.process(rows)
     row_of = {p: i for i, p in enumerate(parents)}
-    nodes = _tree_nodes(tokenizer, tree, verdict, probs, row_of)
-    last = path[-1]
-    bonus_q = float(tree.child_dist[last][verdict.bonus]) if last in tree.child_dist else None
-    nodes.append(NodeRecord(
-        id=len(tree), parent=last, token=verdict.bonus, text=tokenizer.decode([verdict.bonus]),
-        depth=tree.depths[last] + 1, q=bonus_q, rank=None,
-        path_q=tree.path_q[last] * bonus_q if bonus_q is not None else None,
-        p=float(probs[row_of[last], verdict.bonus]), status=BONUS, resampled=verdict.resampled, source="target"))
-    return IterationRecord(
-        index=index, position=root_pos, nodes=nodes, accepted_path=path, bonus_token=verdict.bonus,
-        bonus_text=tokenizer.decode([verdict.bonus]), new_tokens=list(new), drafted=tree.num_drafted,
-        accepted=min(len(path) - 1, len(new)), draft_forwards=0, params=params, times={}, extra=dict(tree.extra))
-
-
-def _tree_nodes(tokenizer, tree: DraftTree, verdict: Verdict, probs: torch.Tensor,
-                row_of: dict[int, int]) -> list[NodeRecord]:
-    """Every tree node with its outcome; `probs[row_of[n]]` is the target's p after node n."""
-    on_path = set(verdict.path)
     next_p = top_k(tokenizer, probs)
     next_q = _draft_top_k(tokenizer, tree, [p for p in row_of if p in tree.child_dist], probs)
-    nodes = []
-    for i, token in enumerate(tree.tokens):
-        parent = tree.parents[i]
-        if i == 0:
-            status = ROOT
-        elif i in on_path:
-            status = ACCEPTED
-        elif parent in on_path:
-            status = REJECTED
-        else:
-            status = UNREACHED
-        nodes.append(NodeRecord(
-            id=i, parent=parent, token=token, text=tokenizer.decode([token]), depth=tree.depths[i],
-            q=tree.q[i] if i else None, rank=tree.ranks[i] if i else None, path_q=tree.path_q[i],
-            p=float(probs[row_of[parent], token]) if i else None, status=status,
-            accept_prob=verdict.accept_prob.get(i), draws=tree.multiplicity(i) if i else 1,
-            next_p=next_p[row_of[i]] if i in row_of else [], next_q=next_q.get(i, []), source=tree.source[i]))
-    return nodes
+    texts = tokenizer.batch_decode([[node.token] for node in record.nodes])
+    for node, text in zip(record.nodes, texts):
+        node.text = text
+        if node.parent >= 0:
+            node.p = float(probs[row_of[node.parent], node.token])
+        if node.status != BONUS:
+            node.next_p = next_p[row_of[node.id]] if node.id in row_of else []
+            node.next_q = next_q.get(node.id, [])
+    record.bonus_text = bonus.text
 
 
 def _draft_top_k(tokenizer, tree: DraftTree, drafted: list[int], probs: torch.Tensor) -> dict[int, list[list]]:

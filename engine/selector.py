@@ -10,8 +10,8 @@ branches K changes nothing): 84 actions, every one legal for `delayed`.
 Features (Appendix E), all available at the root without an extra forward:
 - the target's final hidden state at the previous position (the row of the last verification forward, or of the
   prefill, whose distribution drew the root) and the draft's final hidden state at the root (the drafter's root
-  forward, which every action begins with); both are read by a forward hook on the model's final norm
-  (`HiddenTap`), only when the strategy asks (`wants_features`);
+  forward, which every action begins with); both are the final norm's rows each model's steps return with their
+  logits (`last_hidden`, engine/steps.py: a captured or graphed forward runs no Python hooks);
 - entropies H(p_prev), H(q_prev), H(q_root), KL(p_prev || q_prev), KL(q_prev || p_prev), ||p_prev - q_prev||_1;
 - log context length, temperature, top-p.
 The draft's hidden state at the previous token (the paper's h_prev^q) is left out: the previous token's draft row was
@@ -73,28 +73,6 @@ def action_seconds(costs, first_rows: int = 1) -> torch.Tensor:
 
 
 # -- features -----------------------------------------------------------------------------------------------------
-class HiddenTap:
-    """The output of a model's final norm in its latest forward: a forward hook, so no extra forward is made and the
-    forward itself is unchanged. Installed only while a strategy wants features."""
-
-    def __init__(self, model):
-        norm = getattr(getattr(model, "base_model", None), "norm", None)
-        if not isinstance(norm, nn.Module):
-            raise SelectorError(f"{type(model).__name__} has no final norm at .base_model.norm to read hidden "
-                                "states from: the neural selector cannot run on it")
-        self.output: torch.Tensor | None = None
-        self.handle = norm.register_forward_hook(self._keep)
-
-    def _keep(self, module, args, output) -> None:
-        self.output = output[0] if isinstance(output, tuple) else output
-
-    def row(self, index: int) -> torch.Tensor:
-        return self.output[0, index].float()
-
-    def remove(self) -> None:
-        self.handle.remove()
-
-
 def entropy(d: torch.Tensor) -> float:
     d = d.double()
     return float(-(d * d.clamp(min=EPS).log()).sum())
@@ -119,19 +97,23 @@ def scalar_features(p_prev, q_prev, q_root, context: int, temperature: float, to
 
 
 class FeatureTaps:
-    """The decoder's side: hooks on both models' final norms, and the target's state at the previous position, which
-    the decoder hands over after every target forward (`after_target`)."""
+    """The decoder's side: the target's state at the previous position, which the decoder hands over after every
+    target forward (`after_target`), and the draft's root row, read from both models' steps (`last_hidden`)."""
 
-    def __init__(self, pair, sampling, rule: str):
-        self.target, self.draft = HiddenTap(pair.target), HiddenTap(pair.draft)
-        self.sampling, self.rule, self.costs = sampling, rule, pair.costs
+    def __init__(self, pair, sampling, rule: str, target_steps, draft_steps, costs=None):
+        for model in (pair.target, pair.draft):
+            if not isinstance(getattr(getattr(model, "base_model", None), "norm", None), nn.Module):
+                raise SelectorError(f"{type(model).__name__} has no final norm at .base_model.norm: the neural "
+                                    "selector's hidden-state features cannot be read from it")
+        self.target, self.draft = target_steps, draft_steps
+        self.sampling, self.rule, self.costs = sampling, rule, costs
         # p as a distribution even when decoding greedily (the one-hot would carry no uncertainty)
         self.process = (lambda x: torch.softmax(x.float(), dim=-1)) if sampling.greedy else sampling.process
         self.target_hidden = self.target_dist = None
 
     def after_target(self, logits: torch.Tensor, row: int) -> None:
         """Keep the target's hidden state and processed distribution at `row`: the position before the next root."""
-        self.target_hidden = self.target.row(row)
+        self.target_hidden = self.target.last_hidden[row].float()
         self.target_dist = self.process(logits[row].float()[None])[0]
 
     def features(self, drafter, root_dist: torch.Tensor) -> RootFeatures:
@@ -139,11 +121,7 @@ class FeatureTaps:
         s = self.sampling
         scalars = scalar_features(self.target_dist, drafter.prev_dist, root_dist, drafter.root_pos + 1,
                                   s.temperature, s.top_p)
-        return RootFeatures(self.target_hidden, self.draft.row(-1), scalars)
-
-    def remove(self) -> None:
-        self.target.remove()
-        self.draft.remove()
+        return RootFeatures(self.target_hidden, self.draft.last_hidden[-1].float(), scalars)
 
 
 # -- the model ----------------------------------------------------------------------------------------------------

@@ -38,10 +38,10 @@ class RunSpec:
     stop_on_eos: bool = True
     stop_strings: tuple[str, ...] = ()
     # How model forwards run (engine/steps.py): "dynamic" (a growing cache), "static" (a preallocated cache,
-    # row-count buckets) or "auto" (static exactly when CUDA graphs are on); graphs "auto" follow the pair (on only
-    # when it was loaded with graphs on: off by default until a GPU run validates them, docs/gpu.md).
+    # row-count buckets) or "auto" (static exactly when the run takes the pair's captured steps); capture "auto"
+    # takes them wherever the pair has them ready (engine/capture.py), "off" runs eagerly.
     steps: str = "auto"
-    cuda_graphs: str = "auto"
+    capture: str = "auto"
 
     def prompt_key(self) -> str:
         return json.dumps(self.prompt, sort_keys=True, ensure_ascii=False)
@@ -89,8 +89,7 @@ def make_decoder(pair, spec: RunSpec, verifier: Verifier | None = None) -> Decod
     """`verifier` overrides the spec's rule with an instance (scripts wrap rules to record what they accept)."""
     strategy = make_strategy(spec.strategy, spec.preset, **spec.params)
     rule = verifier if verifier is not None and spec.strategy != AR else make_rule(spec)
-    return Decoder(pair, strategy, verifier=rule, sampling=spec.sampling(), steps=spec.steps,
-                   cuda_graphs=spec.cuda_graphs)
+    return Decoder(pair, strategy, verifier=rule, sampling=spec.sampling(), steps=spec.steps, capture=spec.capture)
 
 
 def start_run(pair, spec: RunSpec, verifier: Verifier | None = None) -> DecodeRun:

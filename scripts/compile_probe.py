@@ -44,7 +44,8 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
     from transformers import StaticCache
 
     from engine import kv
-    from engine.compiled import compiled_attention, round_to_step
+    from engine.attention import compiled_attention
+    from engine.compiled import round_to_step
     from engine.costs import probe_ids
     from engine.kernels import forcing
     from engine.models import load_pair
@@ -75,7 +76,7 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
         visible = torch.zeros(rows, cache_len, dtype=torch.bool)
         visible[:, : prefix + rows] = kv.tree_visibility(prefix, chain)
         mask = kv.additive_mask(visible, model.dtype)
-        attend = compiled_attention if attention == "shipped" else contextlib.nullcontext  # sdpa: transformers'
+        attend = (lambda: compiled_attention(model)) if attention == "shipped" else contextlib.nullcontext  # sdpa: transformers'
 
         def forward():
             with forcing(model, "plain"), attend():
@@ -142,7 +143,7 @@ def main() -> int:
     parser.add_argument("--mode", default="max-autotune", choices=("max-autotune", "default"))
     parser.add_argument("--variants", default="shipped",
                         help="compiled variants timed in one process beside eager, as ATTENTION[:CACHE_LEN],...: "
-                             "shipped = the compiled AR's attention (engine.compiled.compiled_attention), sdpa = "
+                             "shipped = the compiled AR's attention (engine.attention.compiled_attention), sdpa = "
                              "transformers' default (fused CPU kernel, heads repeated under a mask); the cache "
                              "length defaults to what the compiled AR would use")
     parser.add_argument("--json", help="write the rows here")

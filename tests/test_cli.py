@@ -11,7 +11,7 @@ from engine.strategies import STRATEGIES, StrategyError
 
 def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
     out = tmp_path / "run.json"
-    code = main(["generate", "--pair", "tiny-random", "--strategy", "dynatree", "--budget", "8", "--prompt",
+    code = main(["generate", "--pair", "tiny-random", "--capture", "off", "--strategy", "dynatree", "--budget", "8", "--prompt",
                  "hello world", "--max-new-tokens", "24", "--no-eos", "--compare-ar", "--json", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
@@ -36,7 +36,7 @@ def test_compare_ar_warms_up_and_interleaves(monkeypatch, capsys):
         return real(pair, spec, verifier)
 
     monkeypatch.setattr(bench, "generate", spy)
-    assert main(["generate", "--pair", "tiny-random", "--dtype", "fp32", "--strategy", "linear", "--prompt", "hello",
+    assert main(["generate", "--pair", "tiny-random", "--dtype", "fp32", "--capture", "off", "--strategy", "linear", "--prompt", "hello",
                  "--max-new-tokens", "12", "--no-eos", "--compare-ar", "--compare-repeats", "2"]) == 0
     assert calls == [("ar", 8), ("linear", 8), ("ar", 12), ("linear", 12), ("ar", 12), ("linear", 12)]
     err = capsys.readouterr().err
@@ -45,29 +45,41 @@ def test_compare_ar_warms_up_and_interleaves(monkeypatch, capsys):
 
 
 def test_bench_prints_table_and_json(tmp_path, capsys):
-    """The default bench: ar-compiled joins (torch.compile is available here), in fp32 it emits exactly AR's
-    tokens, and every speedup divides by the faster of the two ARs."""
+    """The default bench on a CPU with a C++ compiler: captured steps (built once per machine), every AR beside the
+    methods (the engine's loop on them, the same loop eager, the captured one-row step in a bare loop), in fp32
+    exactly AR's tokens, and every speedup divided by the fastest AR."""
     out = tmp_path / "bench.json"
     code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--strategies",
-                 "ar,linear,dynatree,hf-assisted", "--prompt-set", "code", "--limit", "2", "--max-new-tokens", "12",
-                 "--json", str(out)])
+                 "ar,linear,dynatree,dynatree/eager,hf-assisted", "--prompt-set", "code", "--limit", "2",
+                 "--max-new-tokens", "12", "--json", str(out)])
     assert code == 0
     table = capsys.readouterr().out
     assert "hf-assisted" in table and "dynatree" in table and "speedup" in table
     assert "speedup = tok/s ÷ the faster AR on the set: code ar" in table
     report = json.loads(out.read_text())
     rows = {r["method"]: r for r in report["rows"]}
-    assert set(rows) == {"ar", "ar-compiled", "linear", "dynatree", "hf-assisted"}
-    assert rows["ar-compiled"]["exact_match_rate"] == 1.0 and report["config"]["compiled_ar_compile_s"] > 0
-    assert rows["ar-compiled"]["tpot_s"] > 0 and rows["ar-compiled"]["ttft_s"] > 0
+    assert set(rows) == {"ar", "ar-eager", "ar-captured", "linear", "dynatree", "dynatree/eager", "hf-assisted"}
+    assert all(r["exact_match_rate"] == 1.0 for r in rows.values())
+    assert rows["ar-captured"]["tpot_s"] > 0 and rows["ar-captured"]["ttft_s"] > 0
     assert report["config"]["preset"] == "auto"  # the default: sizes from this machine's measured costs
+    ars = ("ar", "ar-eager", "ar-captured")
     baseline = rows["ar"]["baseline"]
-    assert baseline in ("ar", "ar-compiled") and rows[baseline]["speedup"] == 1.0
-    assert max(rows["ar"]["speedup"], rows["ar-compiled"]["speedup"]) == 1.0
+    assert baseline in ars and rows[baseline]["speedup"] == 1.0 and max(rows[a]["speedup"] for a in ars) == 1.0
     for r in rows.values():
         assert r["speedup"] == r["tokens_per_s"] / rows[baseline]["tokens_per_s"]
     with pytest.raises(SystemExit):  # argparse refuses an unknown mode before anything loads
         main(["bench", "--pair", "tiny-random", "--compiled-ar", "sometimes"])
+
+
+def test_bench_without_captured_steps_runs_ar_through_torch_compile(tmp_path, capsys):
+    """--capture off: no captured one-row step, so AR at its fastest is AR through torch.compile (ar-compiled)."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--capture", "off", "--strategies", "ar,linear",
+                 "--prompt-set", "code", "--limit", "1", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"ar", "ar-compiled", "linear"} and report["config"]["compiled_ar_compile_s"] > 0
+    assert rows["ar-compiled"]["exact_match_rate"] == 1.0
 
 
 def test_default_preset_is_auto_unless_a_size_is_typed(tmp_path):
@@ -80,7 +92,7 @@ def test_default_preset_is_auto_unless_a_size_is_typed(tmp_path):
     assert _preset(argparse.Namespace(**{**vars(bare), "param_depth": 3}), ["dynatree"]) == "auto"  # not a size knob
     assert _preset(argparse.Namespace(**{**vars(bare), "preset": "paper", "param_budget": 8}), ["dynatree"]) == "paper"
     out = tmp_path / "run.json"
-    assert main(["generate", "--pair", "tiny-random", "--dtype", "fp32", "--strategy", "dynatree", "--prompt", "hello",
+    assert main(["generate", "--pair", "tiny-random", "--dtype", "fp32", "--capture", "off", "--strategy", "dynatree", "--prompt", "hello",
                  "--max-new-tokens", "16", "--no-eos", "--compare-ar", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["exact_match"] is True
@@ -146,7 +158,7 @@ def test_rules_bench_script_measures_every_rule(tmp_path):
 def test_costs_command_prints_the_table(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
     out = tmp_path / "costs.json"
-    code = main(["costs", "--pair", "tiny-random", "--dtype", "fp32", "--packed-weights", "on", "--draft-quant",
+    code = main(["costs", "--pair", "tiny-random", "--dtype", "fp32", "--capture", "off", "--packed-weights", "on", "--draft-quant",
                  "int8", "--json", str(out)])
     assert code == 0
     text = capsys.readouterr().out
@@ -160,7 +172,7 @@ def test_costs_command_prints_the_table(tmp_path, capsys, monkeypatch):
 def test_bench_with_cheap_draft_and_auto_preset(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
     out = tmp_path / "bench.json"
-    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--compiled-ar", "off", "--strategies",
+    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--compiled-ar", "off", "--capture", "off", "--strategies",
                  "ar,dynatree", "--preset", "auto", "--draft-vocab", "128", "--draft-quant", "int4", "--prompt-set",
                  "code", "--limit", "1", "--max-new-tokens", "12", "--json", str(out)])
     assert code == 0
@@ -174,7 +186,7 @@ def test_bench_compares_presets_of_one_strategy(tmp_path, monkeypatch, capsys, r
     """strategy@preset rows run on the same prompts as the others; an unknown preset is refused before loading."""
     monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
     out = tmp_path / "bench.json"
-    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--compiled-ar", "off", "--strategies",
+    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--compiled-ar", "off", "--capture", "off", "--strategies",
                  "ar,linear,linear@paper", "--prompt-set", "code", "--limit", "1", "--max-new-tokens", "12",
                  "--json", str(out)])
     assert code == 0
@@ -202,7 +214,7 @@ def test_lookup_runs_on_the_target_alone(tmp_path, capsys):
     that needs a draft is refused."""
     out = tmp_path / "run.json"
     prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
-    code = main(["generate", "--pair", "tiny-random", "--draft", "none", "--dtype", "fp32", "--strategy", "lookup",
+    code = main(["generate", "--pair", "tiny-random", "--draft", "none", "--dtype", "fp32", "--capture", "off", "--strategy", "lookup",
                  "--min-match", "1", "--prompt", prompt, "--max-new-tokens", "16", "--no-eos", "--compare-ar",
                  "--json", str(out)])
     assert code == 0
@@ -220,7 +232,7 @@ def test_bench_grounded_set_with_lookup_peers_and_a_grafted_method(tmp_path, cap
     """lookup, hf-prompt-lookup and dynatree beside dynatree+lookup (the graft switched on for that method alone) on
     the grounded prompts, all exactly AR's tokens in fp32; an unknown switch is refused before loading."""
     out = tmp_path / "bench.json"
-    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--compiled-ar", "off", "--strategies",
+    code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--compiled-ar", "off", "--capture", "off", "--strategies",
                  "ar,lookup,hf-prompt-lookup,dynatree,dynatree+lookup", "--prompt-set", "grounded", "--limit", "1",
                  "--max-new-tokens", "12", "--json", str(out)])
     assert code == 0
@@ -281,5 +293,5 @@ def test_bench_runs_a_method_without_a_preset_on_the_default_one_whatever_the_la
 
     monkeypatch.setattr(engine.bench, "bench", fake_bench)
     monkeypatch.setattr(engine.cli, "_load", lambda args: None)
-    assert main(["bench", "--pair", "tiny-random", "--preset", "cpu", "--strategies", "ar,fixed,fixed@auto"]) == 0
+    assert main(["bench", "--pair", "tiny-random", "--capture", "off", "--preset", "cpu", "--strategies", "ar,fixed,fixed@auto"]) == 0
     assert seen["preset"] == "cpu"

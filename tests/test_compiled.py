@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-from engine.compiled import GQA_SWITCH, CompileError, CompiledAR, compile_available, compiled_attention
+from engine.attention import GQA_SWITCH, compiled_attention
+from engine.compiled import CompileError, CompiledAR, compile_available
 from engine.decoder import Decoder
 from engine.kernels import router_of
 from engine.models import tiny_random_pair

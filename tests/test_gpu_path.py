@@ -1,5 +1,5 @@
 """The pieces a GPU run takes, checked on the CPU (and, with TREEVIZ_TEST_DEVICE=cuda, on captured CUDA graphs):
-AR at its fastest (engine/graph_ar.py) emits the engine's AR, token for token; the cost table measured through the
+AR at its fastest (engine/captured_ar.py) emits the engine's AR, token for token; the cost table measured through the
 static steps; a pair's steps kept and reused across runs; the real-shape timing stand-ins (engine/models/shapes.py)
 have their published sizes; every strategy on graphed steps emits what the dynamic path emits.
 """
@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
-from engine.bench import AR_GRAPH, bench, run_method
-from engine.costs import LADDER, measure_static, model_costs
-from engine.graph_ar import GraphedAR
+from engine.bench import AR_CAPTURED, bench, run_method
+from engine.capture import measure_graphed
+from engine.costs import LADDER, model_costs
+from engine.captured_ar import CapturedAR
 from engine.models import load_pair, tiny_random_pair
 from engine.models.shapes import SHAPES, shape_config
 from engine.sampling import Sampling
@@ -33,7 +34,7 @@ def pair():
 
 def ar_reference(pair, sampling: Sampling, n: int = 24) -> list[int]:
     spec = RunSpec(pair="tiny", prompt=PROMPT, strategy="ar", max_new_tokens=n, stop_on_eos=False,
-                   cuda_graphs="off", steps="dynamic", **sampling.as_dict())
+                   capture="off", steps="dynamic", **sampling.as_dict())
     return generate(pair, spec).output_ids
 
 
@@ -41,41 +42,51 @@ def ar_reference(pair, sampling: Sampling, n: int = 24) -> list[int]:
 def test_graphed_ar_emits_the_engines_ar(pair, temperature):
     sampling = Sampling(temperature=temperature, seed=3)
     ids = pair.tokenizer(PROMPT)["input_ids"]
-    out = GraphedAR(pair).generate(ids, 24, sampling)
+    out = CapturedAR(pair).generate(ids, 24, sampling)
     assert out["output_ids"] == ar_reference(pair, sampling)
     assert out["new_tokens"] == 24 and out["total_s"] >= out["ttft_s"] > 0 and out["tpot_s"] > 0
     assert isinstance(pair.static_steps["target"], StaticSteps)
-    assert pair.static_steps["target"].graphs == (DEVICE == "cuda")
+    assert (pair.static_steps["target"].graphs is not None) == (DEVICE == "cuda")
 
 
 def test_graphed_ar_stops_at_eos_and_keeps_it(pair):
     ids = pair.tokenizer(PROMPT)["input_ids"]
-    free = GraphedAR(pair).generate(ids, 12)["output_ids"]
-    stopped = GraphedAR(pair).generate(ids, 12, eos_ids=(free[4],))["output_ids"]
+    free = CapturedAR(pair).generate(ids, 12)["output_ids"]
+    stopped = CapturedAR(pair).generate(ids, 12, eos_ids=(free[4],))["output_ids"]
     assert stopped == free[: free.index(free[4]) + 1]
 
 
 def test_bench_runs_ar_graph_as_a_method(pair):
-    out = run_method(pair, AR_GRAPH, PROMPT, 8)
+    out = run_method(pair, AR_CAPTURED, PROMPT, 8)
     assert out["new_tokens"] == 8 and out["output_ids"] == ar_reference(pair, Sampling(), 8)
 
 
 def test_steps_are_kept_on_the_pair_and_reused_while_they_fit(pair):
+    """Graphed on CUDA (the captures are what reuse saves), eager static on a CPU."""
     kept: dict = {}
-    model = pair.target
-    first = reuse_static(kept, "target", model, 40, (1, 4), "off")
-    assert kept["target"] is first and first.max_len == 40  # eager static steps: exactly what the run needs
+    model, graphs = pair.target, DEVICE == "cuda"
+    first = reuse_static(kept, "target", model, 40, (1, 4), graphs)
+    assert kept["target"] is first and first.max_len == (GRAPH_CAPACITY_STEP if graphs else 40)
     first.prefill([1, 2, 3])
-    again = reuse_static(kept, "target", model, 30, (1, 4), "off")
+    again = reuse_static(kept, "target", model, 30, (1, 4), graphs)
     assert again is first and again.length == 0  # reset for the new run, not rebuilt
-    assert reuse_static(kept, "target", model, 41, (1, 4), "off") is not first  # too short: new steps
-    assert reuse_static(kept, "target", model, 41, (1, 8), "off").buckets == (1, 8)  # another ladder: new steps
+    assert reuse_static(kept, "target", model, first.max_len + 1, (1, 4), graphs) is not first  # too short
+    assert reuse_static(kept, "target", model, 41, (1, 8), graphs).buckets == (1, 8)  # another ladder: new steps
     assert graph_capacity(1) == graph_capacity(GRAPH_CAPACITY_STEP) == GRAPH_CAPACITY_STEP
     assert graph_capacity(GRAPH_CAPACITY_STEP + 1) == 2 * GRAPH_CAPACITY_STEP
 
 
+def test_eager_static_steps_are_not_reused_when_far_too_long(pair):
+    """Without graphs every forward attends over the whole cache: a run much shorter than the kept cache gets its
+    own."""
+    kept: dict = {}
+    long = reuse_static(kept, "target", pair.target, 2000, (1, 4))
+    assert reuse_static(kept, "target", pair.target, 1900, (1, 4)) is long
+    assert reuse_static(kept, "target", pair.target, 100, (1, 4)).max_len == 100
+
+
 def test_cost_table_measured_through_the_static_steps(pair):
-    table = measure_static(pair.target, ["plain"], ladder=(1, 4, 16), prefix=20, repeats=1)
+    table = measure_graphed(pair.target, ["plain"], ladder=(1, 4, 16), prefix=20, repeats=1)
     assert set(table) == {"plain"} and set(table["plain"]) == {1, 4, 16}
     assert all(s > 0 for s in table["plain"].values())
 
@@ -147,14 +158,14 @@ def test_every_strategy_on_graphs_emits_what_dynamic_emits(pair, name, temperatu
     spec = RunSpec(pair="tiny", prompt=PROMPT, strategy=name, max_new_tokens=32, stop_on_eos=False,
                    **sampling.as_dict())
     graphed = generate(pair, spec)
-    dynamic = generate(pair, RunSpec(**{**spec.__dict__, "cuda_graphs": "off", "steps": "dynamic"}))
-    assert pair.static_steps["target"].graphs
+    dynamic = generate(pair, RunSpec(**{**spec.__dict__, "capture": "off", "steps": "dynamic"}))
+    assert pair.static_steps["target"].graphs is not None
     assert graphed.output_ids == dynamic.output_ids
     assert [it.accepted for it in graphed.iterations] == [it.accepted for it in dynamic.iterations]
 
 
 @cuda_only
-def test_bench_divides_by_ar_graph_on_a_graphed_pair(pair):
+def test_bench_divides_by_ar_captured_on_a_graphed_pair(pair):
     report = bench(pair, ["ar", "fixed"], prompt_set="code", max_new_tokens=8, limit=1, log=lambda s: None)
     methods = [r["method"] for r in report["rows"]]
-    assert methods[:2] == ["ar", AR_GRAPH] and all(r["exact_match_rate"] == 1.0 for r in report["rows"])
+    assert methods[:3] == ["ar", "ar-eager", AR_CAPTURED] and all(r["exact_match_rate"] == 1.0 for r in report["rows"])

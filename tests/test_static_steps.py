@@ -17,7 +17,7 @@ from engine import kv
 from engine.costs import ModelCosts, PairCosts
 from engine.models import tiny_random_model
 from engine.steps import (DynamicSteps, StaticSteps, StepsError, capacity, choose_buckets, default_buckets,
-                          make_steps, use_graphs)
+                          make_steps)
 
 DEVICE = os.environ.get("TREEVIZ_TEST_DEVICE", "cpu")
 TOL = dict(rtol=1e-5, atol=1e-4)  # logits have std ~4 on these models; fp32 rounding of a reordered sum is ~1e-6
@@ -115,7 +115,7 @@ def test_padded_rows_see_only_themselves(model):
     steps.prefill(PROMPT)
     steps.forward([1, 2, 3], [13, 14, 14], kv.tree_visibility(13, torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]],
                                                                                 dtype=torch.bool)))
-    seen = steps._inputs[8].mask[0, 0] == 0
+    seen = steps._mask[0, 0, :8] == 0
     assert seen[:3, 16:].sum() == 0  # no real row sees a padded row
     assert seen[:3, :13].all() and seen[1, 14] and not seen[1, 15] and not seen[2, 14]
     for i in range(3, 8):  # each padded row sees exactly its own column
@@ -163,13 +163,57 @@ def test_reset_and_limits(model):
         steps.forward([1], [1], torch.ones(1, 1, dtype=torch.bool))
 
 
-def test_a_cache_too_small_grows_and_keeps_its_rows(model):
-    """max_len 20 cannot hold the sequence: it grows (twice), and every logit matches a cache large enough."""
-    small = StaticSteps(model, 20, buckets=(1, 2, 4, 8))
+GRAPHS = [False] + ([True] if DEVICE == "cuda" else [])  # on CUDA also with graphs captured and recaptured
+
+
+@pytest.mark.parametrize("graphs", GRAPHS)
+def test_a_cache_too_small_grows_and_keeps_its_rows(model, graphs):
+    """max_len 20 cannot hold the sequence: it grows (twice, graphs captured again), and every logit matches a
+    cache large enough."""
+    small = StaticSteps(model, 20, buckets=(1, 2, 4, 8), graphs=graphs)
     grown, _ = run_iterations(small)
-    assert small.capture_info["grown"] >= 1 and small.max_len >= small.length
-    roomy, _ = run_iterations(StaticSteps(model, capacity(len(PROMPT), 40, 8), buckets=(1, 2, 4, 8)))
+    assert small.capture_info["grown"] >= 1 and small.max_len >= small.length and small.capture_info["grow_s"] > 0
+    roomy, _ = run_iterations(StaticSteps(model, capacity(len(PROMPT), 40, 8), buckets=(1, 2, 4, 8), graphs=graphs))
     assert_all_close(grown, roomy, **TOL)
+
+
+def test_the_hidden_rows_are_the_real_ones_when_padded(model):
+    """The final norm's rows a forward leaves in `last_hidden` (the neural selector's features): the n real rows,
+    row n - 1 last, never a padding row."""
+    static, dynamic = StaticSteps(model, 64, buckets=(8,)), DynamicSteps(model)
+    for steps in (static, dynamic):
+        steps.prefill(PROMPT)
+        steps.forward([1, 2, 3], [13, 14, 15])
+    assert static.last_hidden.shape == (3, model.config.hidden_size)
+    torch.testing.assert_close(static.last_hidden, dynamic.last_hidden, **TOL)
+
+
+# ---- the shapes of real models: 7:1 grouped-query heads, head_dim 128, fp32 and bf16 ---------------------------------
+
+def real_shape_model(dtype: torch.dtype, seed: int = 0, vocab: int = 520):
+    """One layer of Qwen2.5-0.5B's attention shape (7 query heads per key/value head, head_dim 128) at a small
+    width; bf16 where the test says so."""
+    from engine.attention import use_tree_sdpa
+    from engine.models import tiny_config
+    config = tiny_config(vocab_size=vocab, num_layers=1, hidden_size=896, intermediate_size=512,
+                         num_attention_heads=7, num_key_value_heads=1)
+    model = tiny_random_model(seed, config=config).to(device=DEVICE, dtype=dtype)
+    use_tree_sdpa(model)
+    return model
+
+
+@pytest.mark.parametrize("graphs", GRAPHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_shapes_static_equals_dynamic(dtype, graphs):
+    model = real_shape_model(dtype)
+    assert model.config.head_dim == 128 and model.config.num_attention_heads // model.config.num_key_value_heads == 7
+    dynamic, _ = run_iterations(DynamicSteps(model))
+    static, _ = run_iterations(StaticSteps(model, capacity(len(PROMPT), 40, 8), (1, 2, 4, 8), graphs=graphs))
+    if dtype == torch.float32:
+        assert_all_close(static, dynamic, **TOL)
+    else:  # bf16: kernels of other row counts round differently; far below the logits' spread (std ~15)
+        scale = max(float(x.float().std()) for x in dynamic)
+        assert_all_close([x.float() for x in static], [x.float() for x in dynamic], rtol=0.02, atol=0.05 * scale)
 
 
 # ---- buckets ------------------------------------------------------------------------------------------------------
@@ -212,22 +256,16 @@ def test_default_ladder_without_a_table():
 # ---- the switch ---------------------------------------------------------------------------------------------------
 
 def test_make_steps_choices(model):
-    cpu = torch.device("cpu")
-    assert use_graphs("auto", cpu) is False and use_graphs("off", cpu) is False
-    with pytest.raises(StepsError, match="needs a CUDA device"):
-        use_graphs("on", cpu)
-    with pytest.raises(ValueError):
-        use_graphs("yes", cpu)
+    assert isinstance(make_steps(model), DynamicSteps)  # the default: the eager path
+    static = make_steps(model, "static", max_len=32, buckets=(1, 4))
+    assert isinstance(static, StaticSteps) and static.graphs is None and static.buckets == (1, 4)
     if DEVICE == "cpu":
-        assert isinstance(make_steps(model), DynamicSteps)  # the default off CUDA: the engine's path
-        static = make_steps(model, "static", max_len=32, buckets=(1, 4))
-        assert isinstance(static, StaticSteps) and not static.graphs and static.buckets == (1, 4)
-        with pytest.raises(StepsError):
-            make_steps(model, "static", "on", max_len=32, buckets=(1,))
+        with pytest.raises(StepsError, match="CUDA graphs need a CUDA device"):
+            make_steps(model, "static", max_len=32, buckets=(1,), graphs=True)
     with pytest.raises(StepsError, match="static steps"):
-        make_steps(model, "dynamic", "on")
+        make_steps(model, "dynamic", graphs=True)
     with pytest.raises(ValueError, match="max_len"):
-        make_steps(model, "static", "off")
+        make_steps(model, "static")
     with pytest.raises(ValueError):
         make_steps(model, "fast")
 
@@ -241,9 +279,9 @@ cuda_only = pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available()
 @cuda_only
 def test_graphs_replay_what_dynamic_computes(model):
     buckets = (1, 2, 4, 8)
-    steps = make_steps(model, "auto", "auto", max_len=capacity(len(PROMPT), 40, 8), buckets=buckets)
-    assert isinstance(steps, StaticSteps) and steps.graphs
-    assert sorted(steps._graphs) == list(buckets) and sorted(steps.capture_info["seconds"]) == list(buckets)
+    steps = make_steps(model, "static", max_len=capacity(len(PROMPT), 40, 8), buckets=buckets, graphs=True)
+    assert isinstance(steps, StaticSteps) and steps.graphs is not None
+    assert sorted(steps.graphs.graphs) == list(buckets) and sorted(steps.capture_info["seconds"]) == list(buckets)
     assert steps.capture_info["allocated_bytes"] >= 0
     dynamic, _ = run_iterations(DynamicSteps(model))
     graphed, _ = run_iterations(steps)
@@ -253,15 +291,15 @@ def test_graphs_replay_what_dynamic_computes(model):
 @cuda_only
 def test_two_models_share_one_pool(model):
     other = tiny_random_model(1).to(DEVICE)
-    a = make_steps(model, "static", "on", max_len=64, buckets=(1, 4))
-    b = make_steps(other, "static", "on", max_len=64, buckets=(1, 4))
-    ra, rb = a.prefill(PROMPT), b.prefill(PROMPT)
+    a = make_steps(model, "static", max_len=64, buckets=(1, 4), graphs=True)
+    b = make_steps(other, "static", max_len=64, buckets=(1, 4), graphs=True)
+    a.prefill(PROMPT), b.prefill(PROMPT)
     la = a.forward([1, 2, 3], [13, 14, 15])
     lb = b.forward([1, 2, 3], [13, 14, 15])  # replaying b's graph must not change a's returned logits
-    ref = DynamicSteps(model)
-    ref.prefill(PROMPT)
-    torch.testing.assert_close(la, ref.forward([1, 2, 3], [13, 14, 15]), rtol=1e-4, atol=1e-3)
-    assert not torch.equal(ra, rb) and not torch.equal(la, lb)
+    for steps, logits, m in ((a, la, model), (b, lb, other)):  # each against its own model's eager reference
+        ref = DynamicSteps(m)
+        ref.prefill(PROMPT)
+        torch.testing.assert_close(logits, ref.forward([1, 2, 3], [13, 14, 15]), rtol=1e-4, atol=1e-3)
 
 
 # ---- the decoder on static steps ----------------------------------------------------------------------------------
@@ -269,7 +307,7 @@ def test_two_models_share_one_pool(model):
 def decode(pair, name: str, steps: str, sampling=None, n: int = 40):
     from engine.decoder import Decoder
     from engine.strategies import make_strategy
-    decoder = Decoder(pair, make_strategy(name), sampling=sampling, steps=steps, cuda_graphs="off")
+    decoder = Decoder(pair, make_strategy(name), sampling=sampling, steps=steps, capture="off")
     result = decoder.generate("static steps, dynamic steps:", max_new_tokens=n, stop_on_eos=False)
     return result, decoder
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerBase
 
-from engine.costs import calibrate_pair
+from engine.costs import calibrate_pair, measure
 from engine.kernels import (PackingError, check_quant_mode, pack_linears, packed_dtype, quantize_linears,
                             route_linears, should_pack)
 from engine.models.devices import cpu_has_fast_bf16, resolve_device, resolve_dtype
@@ -37,7 +37,8 @@ from engine.models.progress import Progress, say, span
 from engine.models.shapes import is_shape_spec, load_shape
 from engine.models.tiny import is_tiny_spec, load_tiny
 from engine.models.widths import match_draft_width
-from engine.steps import use_graphs
+from engine.attention import use_tree_sdpa
+from engine.capture import capture_backend, measure_graphed
 from engine.vocab import VocabError, draft_vocab_ids, parse_draft_vocab, trim_head
 
 
@@ -198,7 +199,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
               device: torch.device | str = "auto", trust_remote_code: bool = False,
               packed: str = "auto", progress: Progress | None = None, draft_vocab: int | str | None = None,
               draft_quant: str = "none", calibrate: bool = True, recalibrate: bool = False,
-              cuda_graphs: str = "off") -> ModelPair:
+              capture: str = "off") -> ModelPair:
     """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
 
     packed: "auto" | "on" | "off" -- give CPU linears a pre-packed oneDNN path (engine/kernels.py); "auto" does it
@@ -208,9 +209,10 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     "auto": both, and nothing on other devices), used at the row counts where the cost table measured them faster.
     calibrate: measure (or read from the disk cache) each model's forward cost per row count and path, and route
     every call to its fastest path (engine/costs.py); recalibrate measures again.
-    cuda_graphs: "auto" | "on" | "off" -- whether runs on this pair replay CUDA graphs (engine/steps.py; auto: on a
-    CUDA device), so that the cost table is measured on the steps the runs will take. Default "off": the captured
-    path has not yet been validated on a GPU (docs/gpu.md).
+    capture: "auto" | "on" | "off" -- whether runs on this pair take captured steps (engine/capture.py): CPU packages
+    compiled ahead of time (built and measured by `prepare_capture`, which the caller runs when it suits it: the app
+    in the background), or CUDA graphs (only with "on" until a GPU run validates them; the cost table is then measured
+    on the graphed steps). Default "off".
     """
     t0 = time.perf_counter()
     device = resolve_device(device)
@@ -228,14 +230,19 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
                                             progress=span(progress, split, 1.0), role="draft", tokenizer=t_tok)
         check_rollbackable(d_model.config, d_name)
         check_same_vocab(t_model, t_tok, t_name, d_model, d_tok, d_name)
-    pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, graphs=use_graphs(cuda_graphs, device))
+    for model in (t_model, d_model):
+        if model is not None:
+            use_tree_sdpa(model)  # tree masks without repeating grouped key/value heads (engine/attention.py)
+    pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, capture=capture_backend(capture, device))
     try:
         prepare_kernels(pair, packed, draft_vocab, draft_quant, progress)
         if d_model is not None:  # a draft whose table differs by padding rows: the target's width (after trimming)
             fallback = next((i for i in (t_tok.pad_token_id, t_tok.eos_token_id) if i is not None), 0)
             match_draft_width(d_model, t_model.config.get_text_config().vocab_size, fallback)
         if calibrate:
-            pair.costs = calibrate_pair(pair, recalibrate, progress=lambda f, m: say(progress, 1.0, m))
+            measure_fn = measure_graphed if pair.graphs else measure
+            pair.costs = calibrate_pair(pair, recalibrate, progress=lambda f, m: say(progress, 1.0, m),
+                                        measure_fn=measure_fn)
     except (PackingError, VocabError) as err:
         raise ModelLoadError(str(err)) from None
     say(progress, 1.0, f"ready in {time.perf_counter() - t0:.1f} s: {pair.describe()}")

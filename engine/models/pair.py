@@ -40,9 +40,35 @@ class ModelPair:
     costs: PairCosts | None = None  # measured forward costs (engine/costs.py); None: not calibrated
     draft_vocab: int | None = None  # the draft scores only this many frequent tokens (engine/vocab.py)
     draft_quant: str = "none"  # weight-only quantised paths of the draft's linears: none | int8 | int4 | auto
-    graphs: bool = False  # the cost table was measured on captured CUDA graphs (the steps GPU runs use)
+    # How runs capture their forwards (engine/capture.py): "aoti" (CPU packages), "cuda-graphs", or None (eager)
+    capture: str | None = None
+    # role -> CapturedModel: the CPU packages loaded and the row counts they serve (set by prepare_capture)
+    captured: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    capture_info: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # seconds, bytes per role
     # role -> StaticSteps kept across runs on this pair (engine/steps.py `reuse_static`): captured graphs live here
     static_steps: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def graphs(self) -> bool:
+        """Runs replay CUDA graphs (and the cost table was measured on them)."""
+        return self.capture == "cuda-graphs"
+
+    @property
+    def capture_ready(self) -> bool:
+        """Runs can take captured steps now: graphs (captured per cache as runs need them), or CPU packages loaded
+        for the target (prepare_capture)."""
+        return self.graphs or (self.capture == "aoti" and any(c.serves for c in self.captured.values()))
+
+    def describe_capture(self) -> str:
+        """e.g. "captured (AOTInductor): target 1-64 rows; draft 1-8 rows", "CUDA graphs", "eager"."""
+        if self.graphs:
+            return "CUDA graphs per row-count bucket"
+        if self.capture == "aoti" and self.captured:
+            parts = [f"{role} rows {c.info()['serves']}" for role, c in self.captured.items()]
+            return "captured (AOTInductor): " + "; ".join(parts)
+        if self.capture == "aoti":
+            return "eager (captured steps not prepared yet)"
+        return "eager"
 
     def routing(self) -> dict[str, str]:
         """Kernel path per row count of each model, e.g. {"target": "packed 1+", "draft": "int4 1-3, packed 4+"}."""
@@ -69,6 +95,8 @@ class ModelPair:
         routers = [router_of(m) for m in (self.target, self.draft) if m is not None]
         if any(r is not None and len(r.paths) > 1 for r in routers):  # a choice was made: show it
             text += " | routing " + "; ".join(f"{role}: {r}" for role, r in self.routing().items())
+        if self.capture is not None:
+            text += f" | {self.describe_capture()}"
         if self.costs is not None and self.costs.c is not None:
             text += f" | c = {self.costs.c:.2f}, t(16) = {self.costs.t(16):.2f}"
         return text

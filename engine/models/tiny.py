@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from engine.attention import use_tree_sdpa
+from engine.capture import capture_backend
 from engine.kernels import pack_linears
 from engine.models.devices import resolve_device, resolve_dtype
 from engine.models.pair import ModelLoadError, ModelPair
@@ -117,10 +119,12 @@ def _tiny_name(kind: str | None, seed: int, num_layers: int) -> str:
 
 
 def tiny_random_pair(draft_kind: str | None = "related", seed: int = 0, dtype: torch.dtype | str = torch.float32,
-                     device: torch.device | str = "cpu", num_layers: int = 2, packed: bool = False) -> ModelPair:
+                     device: torch.device | str = "cpu", num_layers: int = 2, packed: bool = False,
+                     capture: str | None = None) -> ModelPair:
     """Tiny target + draft in memory (milliseconds). draft_kind: related, identical, unrelated, or None (AR only).
 
-    packed=True gives both models pre-packed CPU weights (engine/kernels.py), to test that path cheaply."""
+    packed=True gives both models pre-packed CPU weights (engine/kernels.py), to test that path cheaply. `capture`:
+    the pair's capture switch (engine/capture.py); default: CUDA graphs on a CUDA device, eager elsewhere."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     tokenizer = tiny_tokenizer()
@@ -129,13 +133,15 @@ def tiny_random_pair(draft_kind: str | None = "related", seed: int = 0, dtype: t
     target = target.to(device=device, dtype=dtype)
     if draft is not None:
         draft = draft.to(device=device, dtype=dtype)
-    if packed:
-        for model in (target, draft):
-            if model is not None:
+    for model in (target, draft):
+        if model is not None:
+            use_tree_sdpa(model)
+            if packed:
                 pack_linears(model)
+    mode = capture if capture is not None else ("on" if device.type == "cuda" else "off")
     return ModelPair(target, draft, tokenizer, device, dtype, _tiny_name(None, seed, num_layers),
                      _tiny_name(draft_kind, seed, num_layers) if draft is not None else "none", packed=packed,
-                     graphs=device.type == "cuda")
+                     capture=capture_backend(mode, device))
 
 
 

@@ -163,20 +163,32 @@ class Strategy:
     # -- shared helpers ------------------------------------------------------------------------------------------
     @staticmethod
     def add_top_children(tree: DraftTree, node: int, dist: torch.Tensor, k: int, min_path_q: float = 0.0,
-                         budget: int | None = None) -> list[int]:
+                         budget: int | None = None, top: tuple[list, list] | None = None) -> list[int]:
         """Add the k most probable children of `node` under `dist`, skipping those whose path probability would fall
         below `min_path_q`, and never exceeding `budget` drafted nodes in the tree. Returns the new node ids. A token
-        with q = 0 (cut by the run's top-k / top-p) is never added: the draft could not have proposed it."""
+        with q = 0 (cut by the run's top-k / top-p) is never added: the draft could not have proposed it. `top`: the
+        node's (probabilities, tokens) in order, already read from `level_tops` (one host read for a whole level)."""
         tree.child_dist[node] = dist
         tree.child_mode[node] = "topk"
         if k <= 0:
             return []
-        probs, tokens = torch.topk(dist, k)
+        if top is None:
+            probs, tokens = torch.topk(dist, k)
+            top = (probs.tolist(), tokens.tolist())
         added = []
-        for rank, (p, token) in enumerate(zip(probs.tolist(), tokens.tolist())):
+        for rank, (p, token) in enumerate(zip(top[0][:k], top[1][:k])):
             if budget is not None and tree.num_drafted >= budget:
                 break
             if p <= 0.0 or tree.path_q[node] * p < min_path_q:
                 break  # sorted by probability: every later sibling is zero or below the threshold too
             added.append(tree.add(node, token, p, rank))
         return added
+
+    @staticmethod
+    def level_tops(dists: torch.Tensor, k: int) -> list[tuple[list, list]]:
+        """Per row of `dists` [n, V], its k most probable (probabilities, tokens): one topk and one read to the host
+        for a whole level, where a read per node would wait on the device once per node."""
+        if k <= 0:
+            return [([], []) for _ in range(len(dists))]
+        probs, tokens = torch.topk(dists, min(k, dists.shape[-1]), dim=-1)
+        return list(zip(probs.tolist(), tokens.tolist()))

@@ -107,11 +107,11 @@ class DynaTree(LookupGraft, Strategy):
         while frontier and tree.num_drafted < budget:
             dists = drafter.expand(frontier)
             order = sorted(range(len(frontier)), key=lambda i: -tree.path_q[frontier[i]])
+            breadths = [self.breadth(tree.confidence[node]) for node in frontier]
+            tops = self.level_tops(dists, max(breadths))
             children = []
             for i in order:
-                node, dist = frontier[i], dists[i]
-                k = self.breadth(tree.confidence[node])
-                children += self.add_top_children(tree, node, dist, k, tau, budget)
+                children += self.add_top_children(tree, frontier[i], dists[i], breadths[i], tau, budget, tops[i])
             frontier = [n for n in children if self.expandable(tree, n)]
         self.depth = max(tree.depths)
 

@@ -46,8 +46,8 @@ class Eagle2(Strategy):
                 break
             dists = drafter.expand(beam)
             layer = []
-            for node, dist in zip(beam, dists):
-                layer += self.add_top_children(tree, node, dist, k)
+            for node, dist, top in zip(beam, dists, self.level_tops(dists, k)):
+                layer += self.add_top_children(tree, node, dist, k, top=top)
         ranked = sorted(range(1, len(tree)), key=lambda v: (-tree.path_q[v], tree.depths[v], v))
         if len(ranked) > c["n"]:
             drafter.remap(tree.prune([0] + ranked[: c["n"]]))

@@ -27,8 +27,9 @@ class FixedTree(Strategy):
             dists = drafter.expand(frontier)
             # Most probable parents first, so the budget goes to the likeliest paths.
             order = sorted(range(len(frontier)), key=lambda i: -tree.path_q[frontier[i]])
+            tops = self.level_tops(dists, c["branch"])
             next_frontier = []
             for i in order:
                 next_frontier += self.add_top_children(
-                    tree, frontier[i], dists[i], c["branch"], c["tau"], c["budget"])
+                    tree, frontier[i], dists[i], c["branch"], c["tau"], c["budget"], tops[i])
             frontier = next_frontier

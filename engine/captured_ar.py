@@ -1,10 +1,10 @@
-"""AR at its fastest where runs replay CUDA graphs: the target's single-row step, replayed from the pair's own
-captured graph (engine/steps.py), in a loop that does nothing else -- no tree, no records, one host read of the next
-token per step. The bench's `ar-graph` baseline on a GPU, as `ar-compiled` (engine/compiled.py) is on a CPU.
+"""AR at its fastest: the target's one-row captured step (a CPU package compiled ahead of time, or a CUDA graph;
+engine/capture.py), in a loop that does nothing else -- no tree, no records, one host read of the next token per
+step. The bench's `ar-captured` baseline.
 
-The engine's own AR (strategy "ar") replays the same graph, but builds an IterationRecord per token for the app's
-views; dividing by that loop would credit the trees with its bookkeeping. Both share the pair's steps, so a bench
-captures each graph once.
+The engine's own AR (strategy "ar") takes the same captured step wherever the pair has one, but builds an
+IterationRecord per token for the app's views; the bench divides by the faster of the two, so that loop's
+bookkeeping never credits the trees. Both share the pair's steps, so a bench captures each graph once.
 """
 from __future__ import annotations
 
@@ -17,15 +17,12 @@ from engine.sampling import Sampling
 from engine.steps import pair_static_steps
 
 
-class GraphedAR:
-    """`generate` runs AR on `pair`'s graphed target steps (CUDA). On a CPU the same steps run eagerly, which is what
-    the tests compare with the engine's AR."""
+class CapturedAR:
+    """`generate` runs AR on `pair`'s captured target steps. Without any (a CPU pair with capture off) the same
+    static steps run eagerly, which is what the tests compare with the engine's AR."""
 
     def __init__(self, pair):
         self.pair = pair
-
-    def _steps(self, prompt_len: int, max_new_tokens: int):
-        return pair_static_steps(self.pair, "target", prompt_len, max_new_tokens, "on" if self.pair.graphs else "off")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None = None,
                  eos_ids: tuple[int, ...] = ()) -> dict:
@@ -35,7 +32,7 @@ class GraphedAR:
         device = self.pair.device
         generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
         with torch.inference_mode():
-            steps = self._steps(len(prompt_ids), max_new_tokens)
+            steps = pair_static_steps(self.pair, "target", len(prompt_ids), max_new_tokens)
             synchronize(device)
             start = time.perf_counter()
             out = [_next(steps.prefill(prompt_ids)[-1], sampling, generator)]
@@ -47,6 +44,12 @@ class GraphedAR:
         total = time.perf_counter() - start
         return {"output_ids": out, "new_tokens": len(out), "total_s": total, "ttft_s": ttft,
                 "tpot_s": (total - ttft) / (len(out) - 1) if len(out) > 1 else None}
+
+
+def has_captured_step(pair) -> bool:
+    """Whether the pair's one-row target forward is captured (so `ar-captured` is AR at its fastest)."""
+    target = pair.captured.get("target")
+    return pair.graphs or (target is not None and 1 in target.serves)
 
 
 def _next(logits: torch.Tensor, sampling: Sampling, generator) -> int:

@@ -1,0 +1,78 @@
+"""Attention for grouped-query models over a tree mask, without repeating the cache's key/value heads.
+
+transformers' SDPA path, given a mask and more than one query row, repeats each key/value head once per query head
+in its group (6x the cache for Qwen2.5-1.5B) before calling SDPA: every layer of every tree forward copies its whole
+cache. Here the query heads of a group are folded into rows instead, q [B, Hkv * g, n, D] -> [B, Hkv, g * n, D], and
+the mask's rows repeated to match ([1, 1, g * n, L], small): SDPA then reads each key/value head once. The result
+is the same attention, reshaped back.
+
+`TREE_SDPA` is registered with transformers' AttentionInterface; models use it by name (`use_tree_sdpa`).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+TREE_SDPA = "tree_sdpa"
+
+
+def tree_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+              **kwargs):
+    """transformers' attention-function contract ([B, H, n, D] in, [B, n, H, D] out); grouped-query heads folded
+    into rows where there is a mask and no position bias, else transformers' own SDPA path."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or attention_mask is None or kwargs.get("position_bias") is not None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    _, heads, n, dim = query.shape
+    kv_heads = heads // groups
+    # head h = kv * groups + j -> rows j * n + i of group kv (a copy first: a view of the projection is transposed)
+    folded = query.contiguous().view(1, kv_heads, groups * n, dim)
+    mask = attention_mask.expand(1, 1, n, attention_mask.shape[-1]).repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.reshape(1, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(TREE_SDPA, tree_sdpa)
+# without a mask function of its own, transformers would hand a custom attention no mask at all (causal rows over a
+# cache would then be aligned top-left by SDPA's is_causal): it builds the masks it builds for sdpa
+AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)
+
+
+def use_tree_sdpa(model) -> None:
+    """Switch `model` (loaded with sdpa) to `tree_sdpa`; a model on eager attention keeps it."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(TREE_SDPA)
+
+
+GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: grouped-query heads in SDPA even with a mask
+
+
+@contextmanager
+def compiled_attention(model=None):
+    """Attention as compiled steps trace it: transformers' SDPA with grouped-query heads unexpanded (`enable_gqa`) on
+    SDPA's math backend, which inductor fuses with the rest of the layer (and whose shapes export can reason about
+    for any row count, where the folded form above makes it guard on them). `model`, if given, is switched to sdpa
+    inside the block and back afterwards."""
+    before, implementation = os.environ.get(GQA_SWITCH), None
+    if model is not None:
+        implementation = model.config._attn_implementation
+        model.set_attn_implementation("sdpa")
+    os.environ[GQA_SWITCH] = "1"
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(GQA_SWITCH, None)
+        else:
+            os.environ[GQA_SWITCH] = before
+        if implementation is not None:
+            model.set_attn_implementation(implementation)

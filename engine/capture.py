@@ -1,0 +1,403 @@
+"""Captured steps for a pair: which forwards run compiled (CPU) or graphed (CUDA), and where each one pays.
+
+    prepare_capture(pair, progress)      # CPU: build (once per machine) and load each model's packages, measure them
+    steps = pair.captured["draft"]       # a CapturedModel: route(n) -> (rows to run, runner) or (n, None)
+
+The switch (`capture`: auto | on | off) belongs to the pair:
+  CPU   packages compiled ahead of time by AOTInductor (engine/aoti.py), where a C++ compiler exists;
+  CUDA  one CUDA graph per row-count bucket (engine/cuda_graphs.py), but only with `on`: the graphed path has not
+        been validated on a GPU yet (docs/gpu.md), so `auto` leaves a GPU eager.
+
+What each CPU model gets (`plan`): a static package per power-of-two bucket up to the largest row count its routing
+sends to a weight-only quantised path (inductor specialises those kernels per row count; one package for a range of
+row counts measured up to 1.4x slower there), the one-row package always (AR's step, and the draft's most frequent
+forward); the target also one package for every row count from there to the top rung, with the row count dynamic
+(verifying a tree: its size changes every iteration; one package holds one copy of the weights). Rows no package
+covers (the draft's first forward over the prompt, a prefill) run eagerly. Every package is then timed against the
+eager path at each rung of the cost ladder, and a row count is served by it only where it measured faster
+(`serves`, kept in the cost table, which thereby prices the path the run takes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.aoti import (MAX_ROWS, CaptureError, Recipe, build, compiler_missing, load, package_file, package_key,
+                        read_meta, write_meta)
+from engine.costs import spans
+from engine.kernels import INT4_GROUP, available_memory, linear_bytes, router_of
+from engine.runtime import cache_dir, synchronize
+
+MODES = ("auto", "on", "off")
+QUANTISED = ("int4", "int8")
+_HEADROOM = 2 << 30  # memory to leave free after loading a package that holds its own copy of the weights
+
+
+class CaptureUnavailable(RuntimeError):
+    """Captured steps were asked for (`on`) where they cannot be built."""
+
+
+def capture_backend(mode: str, device: torch.device) -> str | None:
+    """"aoti" (CPU packages), "cuda-graphs", or None (eager) for the switch `mode` on `device`."""
+    if mode not in MODES:
+        raise ValueError(f"capture must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "off":
+        return None
+    if device.type == "cuda":
+        return "cuda-graphs" if mode == "on" else None
+    if device.type != "cpu":
+        if mode == "on":
+            raise CaptureUnavailable(f"captured steps run on CPU (AOTInductor) or CUDA (graphs), not {device.type}")
+        return None
+    reason = compiler_missing()
+    if reason and mode == "on":
+        raise CaptureUnavailable(f"captured CPU steps need inductor's C++ compiler: {reason}")
+    return None if reason else "aoti"
+
+
+def plan(model, role: str, top: int = MAX_ROWS) -> list[Recipe]:
+    """The packages `model` gets (module docstring): static buckets over its quantised row counts, one row always, and
+    for the target a dynamic range above them."""
+    router = router_of(model)
+    path_at = (lambda rows: "plain") if router is None else router.path
+    quantised = [r for r in range(1, top + 1) if path_at(r) in QUANTISED]
+    buckets, b = [1], 2
+    while quantised and b // 2 < max(quantised):
+        buckets.append(b)
+        b *= 2
+    # a bucket serves the row counts above the one below it: its path is the routing of the first of them (where the
+    # eager paths trade places inside a bucket, the quantised kernel compiled for the bucket measured faster)
+    recipes = [Recipe(rows, _inside(path_at(rows // 2 + 1))) for rows in buckets]
+    if role == "target" and buckets[-1] < top:
+        recipes.append(Recipe(buckets[-1] + 1, "plain", hi=top))
+    return recipes
+
+
+def _inside(path: str) -> str:
+    return "plain" if path == "packed" else path  # inductor packs plain weights itself
+
+
+@dataclass
+class Package:
+    """One loaded package and what it cost."""
+    recipe: Recipe
+    runner: object
+    file: str
+    compile_s: float | None  # None: found on disk, compiled by an earlier process
+    load_s: float
+    bytes: int
+
+
+@dataclass
+class CapturedModel:
+    """A model's loaded packages and the row counts each serves (after measuring: only where faster than eager)."""
+    packages: list[Package]
+    serves: dict[int, Package] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_rows(self) -> int:
+        return max((p.recipe.hi or p.recipe.rows for p in self.packages), default=1)
+
+    def package_for(self, n: int) -> Package | None:
+        """The package that would run n rows: the smallest static bucket holding n, else a dynamic range."""
+        static = [p for p in self.packages if not p.recipe.dynamic and p.recipe.rows >= n]
+        if static:
+            return min(static, key=lambda p: p.recipe.rows)
+        return next((p for p in self.packages if p.recipe.covers(n)), None)
+
+    @staticmethod
+    def rows_of(package: Package, n: int) -> int:
+        return n if package.recipe.dynamic else package.recipe.rows
+
+    def route(self, n: int) -> tuple[int, object]:
+        package = self.serves.get(n)
+        if package is None:
+            return n, None
+        return self.rows_of(package, n), package.runner
+
+    def serve_all(self) -> None:
+        """Every row count a package can run, before measuring (tests, and a forced `on` without a table)."""
+        self.serves = {n: p for n in range(1, self.max_rows + 1) if (p := self.package_for(n)) is not None}
+
+    def info(self) -> dict:
+        return {"packages": [{"recipe": p.recipe.describe(), "compile_s": p.compile_s, "load_s": p.load_s,
+                              "bytes": p.bytes} for p in self.packages],
+                "serves": spans(self.serves), "notes": list(self.notes)}
+
+
+def recipe_key(model, name: str, recipe: Recipe) -> dict:
+    """What a package is keyed by: the model (identity and a weight fingerprint: the weights are frozen in), its
+    dtype, the recipe (with the int4 grouping when it is int4), torch and the machine."""
+    from engine.costs import machine, model_identity
+    device = next(model.parameters()).device
+    extra = {"int4_group": INT4_GROUP} if recipe.path == "int4" else {}
+    return {**package_key(model_identity(model, name), model.dtype, recipe, machine(device)),
+            "weights": weights_fingerprint(model), **extra}
+
+
+def weights_fingerprint(model) -> str:
+    """A digest of a strided sample of every parameter: a retrained checkpoint of the same shape gets new packages."""
+    import hashlib
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def prepare_model(model, name: str, role: str, progress=None) -> CapturedModel:
+    """Build (where missing) and load every package of `plan(model, role)`; a package that does not fit in memory,
+    or that inductor cannot build, is left out with a note (those rows stay eager)."""
+    say = progress or (lambda fraction, message: None)
+    recipes, loaded, notes = plan(model, role), [], []
+    for i, recipe in enumerate(recipes):
+        key = recipe_key(model, name, recipe)
+        file = package_file(key)
+        own_copy = recipe.path == "plain"
+        if own_copy:
+            need, free = linear_bytes(model), available_memory()
+            if free is not None and free < need + _HEADROOM:
+                notes.append(f"{recipe.describe()}: left eager, its package needs {need / 2**30:.1f} GiB of memory "
+                             f"and {free / 2**30:.1f} GiB is free")
+                continue
+        compile_s = None
+        if not file.is_file():
+            say(i / len(recipes), f"compiling the {role}'s captured step for {recipe.describe()} (once per machine: "
+                                  "a minute or two)")
+            try:
+                compile_s = build(model, recipe, file)
+            except (CaptureError, Exception) as err:  # noqa: BLE001 - inductor's failures are many; stay eager
+                notes.append(f"{recipe.describe()}: left eager, compiling failed ({type(err).__name__}: "
+                             f"{str(err)[:160]})")
+                continue
+            write_meta(file, key, compile_s)
+        say((i + 0.9) / len(recipes), f"loading the {role}'s captured step for {recipe.describe()}")
+        start = time.perf_counter()
+        runner = load(file)
+        loaded.append(Package(recipe, runner, str(file), compile_s, time.perf_counter() - start, file.stat().st_size))
+        if compile_s is None and read_meta(file).get("compile_s") is not None:
+            notes.append(f"{recipe.describe()}: compiled by an earlier process in {read_meta(file)['compile_s']:.0f} s")
+    return CapturedModel(loaded, notes=notes)
+
+
+def measure_captured(model, captured: CapturedModel, ladder, prefix: int, repeats: int) -> dict[int, float]:
+    """Seconds of a forward of each rung's row count over a `prefix`-token cache through `captured`'s packages
+    (each rung its package runs; padded where static), fastest of `repeats` whole sweeps after one warm-up sweep."""
+    from engine.costs import probe_ids
+    from engine.steps import StaticSteps
+    rungs = [r for r in ladder if captured.package_for(r) is not None]
+    saved, captured.serves = captured.serves, {}
+    captured.serve_all()
+    try:
+        ids = probe_ids(model, prefix + max(rungs)).tolist()
+        steps = StaticSteps(model, prefix + max(rungs) + 8, (1,), captured=captured)
+        samples: dict[int, list[float]] = {r: [] for r in rungs}
+        device = steps.device
+        with torch.inference_mode():
+            steps.prefill(ids[:prefix])
+            for sweep in range(repeats + 1):
+                for rows in rungs:
+                    synchronize(device)
+                    start = time.perf_counter()
+                    steps.forward(ids[prefix:prefix + rows], list(range(prefix, prefix + rows)))
+                    synchronize(device)
+                    if sweep:
+                        samples[rows].append(time.perf_counter() - start)
+                    steps.keep(prefix, [])
+    finally:
+        captured.serves = saved
+    return {r: min(v) for r, v in samples.items()}
+
+
+def measure_graphed(model, paths: list[str], ladder=None, prefix: int | None = None, repeats: int | None = None
+                    ) -> dict[str, dict[int, float]]:
+    """costs.measure's table through the engine's static steps with one CUDA graph per rung, on a cache as long as a
+    run at `prefix` tokens would get (steps.graph_capacity), its own graph pool (a throwaway capture must not pin the
+    shared one); each rung's forward timed from its inputs' copy to its logits, synchronised; fastest of `repeats`
+    whole sweeps after one warm-up sweep. One path ("plain": a GPU has no kernel routing); `paths` is accepted for
+    measure's signature. (On a CPU the same static steps run eagerly: what the tests check.)"""
+    from engine.costs import LADDER, PREFIX, REPEATS, probe_ids
+    from engine.steps import StaticSteps, graph_capacity
+    ladder, prefix, repeats = ladder or LADDER, prefix or PREFIX, repeats or REPEATS
+    ids = probe_ids(model, prefix + max(ladder)).tolist()
+    device = next(model.parameters()).device
+    graphs = device.type == "cuda"
+    pool = torch.cuda.graph_pool_handle() if graphs else None
+    steps = StaticSteps(model, graph_capacity(prefix + max(ladder)), tuple(ladder), graphs=graphs, pool=pool)
+    samples: dict[int, list[float]] = {r: [] for r in ladder}
+    try:
+        with torch.inference_mode():
+            steps.prefill(ids[:prefix])
+            for sweep in range(repeats + 1):
+                for rows in ladder:
+                    synchronize(device)
+                    start = time.perf_counter()
+                    steps.forward(ids[prefix:prefix + rows], list(range(prefix, prefix + rows)))
+                    synchronize(device)
+                    if sweep:
+                        samples[rows].append(time.perf_counter() - start)
+                    steps.keep(prefix, [])
+    finally:
+        if steps.graphs is not None:
+            steps.graphs.release()
+    return {"plain": {r: min(v) for r, v in samples.items()}}
+
+
+def captured_table(model, name: str, captured: CapturedModel, recalibrate: bool = False) -> dict[int, dict[int, float]]:
+    """{context: {rows: seconds}} of `captured` at PREFIX and every CONTEXTS length: read from the cost cache, where
+    the same packages were measured on this machine, else measured and stored there."""
+    import json
+    from pathlib import Path
+    from engine.costs import CONTEXTS, LADDER, PREFIX, REPEATS, _busy, _key_file, _write_json, table_key
+    device = next(model.parameters()).device
+    key = {**table_key(model, name, model.dtype, device), "steps": "aoti",
+           "packages": sorted(Path(p.file).stem for p in captured.packages)}
+    file = _key_file(key)
+    if file.is_file() and not recalibrate:
+        try:
+            data = json.loads(file.read_text())
+            if data.get("key") == key:
+                return {int(c): {int(r): s for r, s in t.items()} for c, t in data["captured"].items()}
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass
+    before = _busy()
+    table = {c: measure_captured(model, captured, LADDER, c, REPEATS) for c in (PREFIX, *CONTEXTS)}
+    _write_json(file, {"key": key, "captured": {str(c): t for c, t in table.items()}, "measured_at": time.time(),
+                       "busy": max((b for b in (before, _busy()) if b is not None), default=None)})
+    return table
+
+
+def install(table, captured: CapturedModel, seconds: dict[int, dict[int, float]]) -> None:
+    """Give the model's cost `table` its captured seconds, and let each row count be served by its package only
+    where that measured faster than the fastest eager path (the table then prices what runs take)."""
+    table.captured = seconds
+    serves = {}
+    for n in range(1, captured.max_rows + 1):
+        package = captured.package_for(n)
+        if package is not None and table.captured_time(captured.rows_of(package, n)) < table.eager_time(n):
+            serves[n] = package
+    captured.serves = serves
+    table.serves = {n: captured.rows_of(p, n) for n, p in serves.items()}
+
+
+def prepare_capture(pair, progress=None, recalibrate: bool = False, measure: bool = True) -> None:
+    """CPU pairs with captured steps on (`pair.capture == "aoti"`): build or load both models' packages, measure them
+    against the eager table, and install them (`pair.captured`, the cost tables' `serves`). Seconds and memory per
+    model land in `pair.capture_info`. The pair's kept static steps are dropped: their routes changed. Without
+    `measure` (or a cost table) every package serves every row count it can."""
+    if pair.capture != "aoti":
+        return
+    say = progress or (lambda fraction, message: None)
+    roles = [(r, m, n) for r, m, n in (("target", pair.target, pair.target_name), ("draft", pair.draft,
+                                                                                  pair.draft_name)) if m is not None]
+    for i, (role, model, name) in enumerate(roles):
+        share = (lambda f, m, i=i: say((i + f) / len(roles), m))
+        rss = _rss()
+        captured = prepare_model(model, name, role, share)
+        if measure and pair.costs is not None and captured.packages:
+            say((i + 0.95) / len(roles), f"measuring the {role}'s captured steps (cached after the first time)")
+            table = getattr(pair.costs, role)
+            install(table, captured, captured_table(model, name, captured, recalibrate))
+        else:
+            captured.serve_all()
+        pair.captured[role] = captured
+        pair.capture_info[role] = {**captured.info(), "memory_bytes": max(_rss() - rss, 0)}
+    pair.static_steps.clear()
+    say(1.0, f"captured steps ready: {pair.describe_capture()}")
+
+
+def _rss() -> int:
+    """This process's resident memory in bytes (0 where /proc says nothing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def format_capture(pair) -> str:
+    """Per model: its packages (compile seconds: now, or when an earlier process built them), bytes on disk, the
+    memory loading them took, and the row counts they serve."""
+    lines = []
+    for role, info in pair.capture_info.items():
+        packages = info["packages"]
+        built = [p["compile_s"] for p in packages if p["compile_s"] is not None]
+        disk = sum(p["bytes"] for p in packages) / 2**30
+        lines.append(f"captured {role}: {len(packages)} package(s) ({', '.join(p['recipe'] for p in packages)}); "
+                     f"{disk:.2f} GiB on disk, {info['memory_bytes'] / 2**30:.2f} GiB of memory to load; "
+                     + (f"compiled now in {sum(built):.0f} s; " if built else "")
+                     + f"serves rows {info['serves']}")
+        lines += [f"  {note}" for note in info["notes"]]
+    return "\n".join(lines)
+
+
+# -- building in another process (the app builds while it serves eager runs) ------------------------------------------
+
+def missing(pair) -> dict[str, list[Recipe]]:
+    """Per model, the packages `plan` wants that are not on disk yet (an empty dict: all built, loading is quick)."""
+    if pair.capture != "aoti":
+        return {}
+    out = {}
+    for role, model, name in (("target", pair.target, pair.target_name), ("draft", pair.draft, pair.draft_name)):
+        if model is not None:
+            todo = [r for r in plan(model, role) if not package_file(recipe_key(model, name, r)).is_file()]
+            if todo:
+                out[role] = todo
+    return out
+
+
+def build_request(pair, target: str, draft: str | None, recipes: dict[str, list[Recipe]], **load) -> dict:
+    """What a builder process needs to rebuild the same models (specs and the load options that change their
+    weights or names) and the recipes to compile."""
+    return {"target": target, "draft": draft, "dtype": str(pair.dtype).removeprefix("torch."),
+            "device": str(pair.device), **load, "recipes": {role: [asdict(r) for r in rs] for role, rs in recipes.items()}}
+
+
+def start_builder(request: dict, log_file) -> subprocess.Popen:
+    """`python -m engine.capture REQUEST` in its own process: compiling runs its own kernels and threads there, never
+    beside the serving process's compute thread (engine/capture.py `main`)."""
+    folder = cache_dir() / "captured"
+    folder.mkdir(parents=True, exist_ok=True)
+    file = folder / f".request-{os.getpid()}.json"
+    file.write_text(json.dumps(request))
+    return subprocess.Popen([sys.executable, "-m", "engine.capture", str(file)], stdout=log_file,
+                            stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the packages a request file names (see build_request); prints one line per package."""
+    from engine.models import load_pair
+    request = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    pair = load_pair(request["target"], request["draft"], dtype=request["dtype"], device=request["device"],
+                     packed="off", calibrate=False, draft_vocab=request.get("draft_vocab"),
+                     draft_quant=request.get("draft_quant", "none"))
+    for role, recipes in request["recipes"].items():
+        model = pair.target if role == "target" else pair.draft
+        name = pair.target_name if role == "target" else pair.draft_name
+        for fields in recipes:
+            recipe = Recipe(**fields)
+            key = recipe_key(model, name, recipe)
+            file = package_file(key)
+            if file.is_file():
+                continue
+            seconds = build(model, recipe, file)
+            write_meta(file, key, seconds)
+            print(f"built the {role}'s {recipe.describe()} in {seconds:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""How much of a tree iteration is the engine's own host work: everything outside the models' steps calls.
+
+    python -m scripts.host_time                       # tiny identical pair, DynaTree at ~16 nodes, captured and eager
+    python -m scripts.host_time --strategy fixed --budget 16 --iterations 200 --json host.json
+
+On the tiny identical pair a model forward is a few hundred microseconds, so what an iteration spends around its
+forwards (building the tree, the verification rule, the rollback, the record) shows plainly. Per iteration: its wall
+time from the record (`times["total"]`: drafting through commit, the record's light part included), minus the wall
+time of every steps call it made (the forward with its input staging: `StaticSteps.forward` / `DynamicSteps.forward`
+and `keep`). Medians over the iterations after a warm-up run. The record's reader-only part (`complete`) runs after
+the iteration's clock stops and is reported apart.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.capture import prepare_capture
+from engine.costs import calibrate_pair
+from engine.decoder import Decoder
+from engine.models import tiny_random_pair
+from engine.steps import DynamicSteps, StaticSteps
+from engine.strategies import make_strategy
+
+PROMPT = "the host's share of a tree iteration, measured on a pair whose forwards cost almost nothing: "
+
+
+class Clock:
+    """Wraps methods (class, name) so that the seconds spent inside them add up in `seconds[name]`."""
+
+    def __init__(self, methods):
+        self.methods, self.seconds, self.originals = methods, {}, {}
+
+    def __enter__(self):
+        for cls, name in self.methods:
+            original = getattr(cls, name)
+            self.originals[(cls, name)] = original
+            setattr(cls, name, self._timed(name, original))
+        return self
+
+    def _timed(self, name, original):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    def __exit__(self, *exc):
+        for (cls, name), original in self.originals.items():
+            setattr(cls, name, original)
+
+    def inside(self, *names) -> float:
+        return sum(self.seconds.get(n, 0.0) for n in names)
+
+
+STEPS = [(cls, name) for cls in (StaticSteps, DynamicSteps) for name in ("forward", "keep")]
+
+
+def measure(pair, strategy: str, params: dict, iterations: int, capture: str) -> dict:
+    decoder = Decoder(pair, make_strategy(strategy, "cpu", **params), capture=capture)
+    decoder.generate(PROMPT, max_new_tokens=16, stop_on_eos=False)  # warm-up
+    host, total, nodes, complete = [], [], [], []
+    run = decoder.run(PROMPT, max_new_tokens=iterations * 4, stop_on_eos=False)
+    with Clock(STEPS + [(Decoder, "complete")]) as clock:
+        steps, done = 0.0, 0.0
+        for record in run:
+            total.append(record.times["total"])
+            host.append(record.times["total"] - (clock.inside("forward", "keep") - steps))
+            complete.append(clock.inside("complete") - done)
+            nodes.append(len(record.nodes) - 1)
+            steps, done = clock.inside("forward", "keep"), clock.inside("complete")
+            if len(total) >= iterations:
+                break
+    ms = lambda values: 1e3 * statistics.median(values)  # noqa: E731
+    return {"capture": decoder.steps_label(), "iterations": len(total), "median_nodes": statistics.median(nodes),
+            "median_iteration_ms": ms(total), "median_host_ms": ms(host), "median_complete_ms": ms(complete)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", default="dynatree")
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # tiny models: extra threads only add contention
+    pair = tiny_random_pair("identical", dtype=torch.float32, capture="auto")
+    pair.costs = calibrate_pair(pair)
+    prepare_capture(pair)
+    params = {"budget": args.budget}
+    if args.strategy == "dynatree":
+        params.update(tau=0.0, rho_stop=0.0, history=False)  # an identical draft: keep the tree at its budget
+    rows = [measure(pair, args.strategy, params, args.iterations, capture) for capture in ("auto", "off")]
+    for row in rows:
+        print(f"{args.strategy} ({row['capture']}): {row['median_nodes']:.0f} nodes, iteration "
+              f"{row['median_iteration_ms']:.3f} ms, host outside the steps {row['median_host_ms']:.3f} ms; the "
+              f"record's reader-only part after the clock {row['median_complete_ms']:.3f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"strategy": args.strategy, "params": params, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
