@@ -29,12 +29,17 @@ def parse_args(argv=None):
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--no-preload", action="store_true", help="load the models only when a run needs them")
+    parser.add_argument("--capture", default=os.environ.get("TREEVIZ_CAPTURE", "auto"), choices=("auto", "on", "off"),
+                        help="captured steps (docs/capture.md): on a CPU, the models' forwards compiled ahead of time "
+                             "once per machine, in the background on the first start (runs decode eagerly until "
+                             "they are ready); off: always eager")
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
+    BACKEND.pairs.capture_mode = args.capture
     if on_zero_gpu():  # ZeroGPU moves what is on `cuda` at startup into each GPU worker: load before launching
         BACKEND.pairs.load(args.pair, device="cuda")
     demo = build_demo(initial_pair=args.pair, load_on_start=not args.no_preload and not on_zero_gpu())

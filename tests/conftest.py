@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# The app's pairs decode eagerly in tests: building captured steps means minutes of compiling in a background
+# process, which tests/test_ui_capture.py exercises on its own (tests/test_captured_steps.py covers the engine's side).
+os.environ.setdefault("TREEVIZ_CAPTURE", "off")
 
 from engine.models import tiny_random_pair
 

@@ -1,5 +1,6 @@
-"""AR baselines: each plain autoregressive run kept per (pair, prompt, settings that change AR), with the time it
-was measured, so a later run on the same prompt compares against it at once and the page can say so."""
+"""AR baselines: each plain autoregressive run kept per (pair, prompt, settings that change AR, how its forwards
+ran), with the time it was measured, so a later run on the same prompt compares against it at once and the page can
+say so."""
 from __future__ import annotations
 
 import time
@@ -27,10 +28,11 @@ class ARCache:
         self.size, self.entries = size, OrderedDict()  # key -> (result, time.time() when measured)
 
     @staticmethod
-    def key(pair_name: str | None, dtype, spec: RunSpec) -> tuple:
+    def key(pair_name: str | None, dtype, spec: RunSpec, steps: str = "eager") -> tuple:
+        """`steps`: how AR's forwards run (captured or eager): an eager AR never stands in for a captured one."""
         sampling = ((float(spec.temperature), float(spec.top_p), int(spec.top_k), int(spec.seed))
                     if float(spec.temperature) > 0 else (0.0,))
-        return (pair_name, spec.prompt_key(), int(spec.max_new_tokens), str(dtype), *sampling)
+        return (pair_name, spec.prompt_key(), int(spec.max_new_tokens), str(dtype), steps, *sampling)
 
     def get(self, key: tuple) -> RunResult | None:
         baseline = self.baseline(key)
@@ -70,5 +72,6 @@ def attach_comparison(result: RunResult, baseline: Baseline) -> None:
     else:
         comparison = compare_outputs(result, ar)
     comparison.update(ar_reused=baseline.reused, ar_measured_at=round(baseline.measured_at, 3),
-                      ar_age_s=round(max(0.0, time.time() - baseline.measured_at), 3))
+                      ar_age_s=round(max(0.0, time.time() - baseline.measured_at), 3),
+                      ar_steps=ar.config.get("steps", "eager"))
     result.comparison = comparison

@@ -92,7 +92,8 @@ def throughput_figure(run: RunResult | None, ar_run: RunResult | None) -> go.Fig
                          hovertemplate="%{y}: %{x:.2f} tokens/s<extra></extra>"))
     title = "throughput (tokens/s)"
     if len(values) == 2 and values[0] > 0:
-        title += f": speedup {values[1] / values[0]:.2f}× over AR (eager)"  # bench also times compiled AR
+        ar_steps = ar_run.config.get("steps", "eager") if ar_run is not None else "recorded"
+        title += f": speedup {values[1] / values[0]:.2f}× over AR ({ar_steps})"
     elif run is not None and ar_run is None and run.strategy != "ar":
         title += " (AR not measured yet)"
     source = ar_source_text(run.comparison) if run is not None and len(values) == 2 else ""

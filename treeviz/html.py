@@ -125,9 +125,11 @@ def ar_source_text(comparison: dict[str, Any] | None) -> str:
     if not comparison or comparison.get("ar_measured_at") is None:
         return ""
     at = time.strftime("%H:%M:%S UTC", time.gmtime(comparison["ar_measured_at"]))
+    steps = f"; AR's forwards {comparison['ar_steps']}" if comparison.get("ar_steps") else ""
     if not comparison.get("ar_reused"):
-        return f"AR measured for this run ({at})"
-    return f"AR reused from the cache: measured at {at}, {duration_text(comparison.get('ar_age_s') or 0.0)} earlier"
+        return f"AR measured for this run ({at}){steps}"
+    return (f"AR reused from the cache: measured at {at}, {duration_text(comparison.get('ar_age_s') or 0.0)} "
+            f"earlier{steps}")
 
 
 def duration_text(seconds: float) -> str:

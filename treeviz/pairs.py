@@ -3,12 +3,16 @@ serialises decoding on it. Pair names are engine.session's (`split_pair`); the h
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import traceback
 from typing import Any
 
+from engine.capture import build_request, missing, prepare_capture, start_builder
 from engine.models import PAIRS, load_pair
+from engine.runtime import cache_dir
 from engine.session import AR, RunSpec, split_pair, start_run
+from treeviz.compute_thread import COMPUTE
 from treeviz.errors import UserError, friendly_error
 from treeviz.gpu import on_zero_gpu
 
@@ -39,7 +43,9 @@ def warm_up(name: str, pair) -> None:
 class PairManager:
     """Holds at most one loaded pair; loads in a background thread; `run_lock` serialises decoding on it."""
 
-    def __init__(self):
+    def __init__(self, capture: str | None = None):
+        # captured steps (engine/capture.py): auto | on | off; TREEVIZ_CAPTURE or app.py --capture sets it
+        self.capture_mode = capture or os.environ.get("TREEVIZ_CAPTURE", "auto")
         self.name: str | None = None       # the pair requested last
         self.pair = None                   # loaded ModelPair for self.loaded_name
         self.loaded_name: str | None = None
@@ -47,6 +53,7 @@ class PairManager:
         self.progress = (0.0, "")
         self.error: str | None = None
         self.description = ""
+        self.capture = ""                  # what the captured steps are doing (building, loading, ready), for the page
         self._cond = threading.Condition()
         self.run_lock = threading.Lock()   # a Lock (not RLock): a closed generator may release it from any thread
         self._generation = 0
@@ -96,13 +103,18 @@ class PairManager:
         target, draft = split_pair(name)
         with self.run_lock, self._cond:  # one pair in memory at a time: drop the old one once no run uses it
             if gen == self._generation:
-                self.pair, self.loaded_name = None, None
-        # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration, no warm-up there.
+                self.pair, self.loaded_name, self.capture = None, None, ""
+        # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration, no warm-up, no capture there.
         zero_gpu = on_zero_gpu()
-        # draft_quant="auto": the draft's int8 / int4 paths where the table measures them faster (CPU only; on
-        # the 2-core machine DynaTree went from 1.47-1.52x to 1.54-1.96x AR with L-bar unchanged, README).
+        # draft_quant="auto": the draft's int8 / int4 paths where the table measures them faster (CPU only).
+        # capture="auto": on a CPU, each model's forwards compiled ahead of time (engine/capture.py), once per
+        # machine; until they exist, runs decode eagerly and the packages are built in another process.
         pair = load_pair(target, draft, device=device, progress=progress, calibrate=not zero_gpu,
-                         draft_quant="auto")
+                         draft_quant="auto", capture="off" if zero_gpu else self.capture_mode)
+        todo = missing(pair)
+        if pair.capture == "aoti" and not todo:  # built on an earlier start: load them now, before any run
+            progress(1.0, "loading the captured steps (compiled on an earlier start)…")
+            prepare_capture(pair, progress)
         if not zero_gpu:
             progress(1.0, "warming up (so the first measured run is not penalised)…")
             warm_up(name, pair)
@@ -112,11 +124,46 @@ class PairManager:
             self.pair, self.loaded_name, self.description = pair, name, pair.describe()
             self.loading, self.progress = False, (1.0, "ready")
             self._cond.notify_all()
+        if todo:
+            threading.Thread(target=self.build_captured, args=(name, gen, pair, target, draft, todo), daemon=True,
+                             name=f"capture-{name}").start()
+
+    def build_captured(self, name: str, gen: int, pair, target: str, draft: str | None, todo: dict) -> None:
+        """Compile the pair's missing captured steps in another process (so this one keeps serving eager runs on its
+        compute thread), then load and measure them on the compute thread between runs (the pair's run lock held:
+        a measurement needs a quiet machine). A failure leaves the pair eager, with the reason on the page."""
+        count = sum(len(r) for r in todo.values())
+        self._set_capture(gen, f"compiling {count} captured step(s) in the background (once per machine, a few "
+                               "minutes); runs decode eagerly until then")
+        log_path = cache_dir() / "captured" / f"build-{os.getpid()}.log"
+        try:
+            with open(log_path, "w") as log_file:
+                builder = start_builder(build_request(pair, target, draft, todo, draft_quant="auto"), log_file)
+                code = builder.wait()
+            if code != 0:
+                raise RuntimeError(f"the builder exited with {code}; its log: {log_path}")
+            with self.run_lock:
+                if gen != self._generation:
+                    return
+                self._set_capture(gen, "loading and measuring the captured steps…")
+                COMPUTE.call(prepare_capture, pair)
+            with self._cond:
+                if gen == self._generation:
+                    self.description, self.capture = pair.describe(), ""
+        except Exception as err:  # noqa: BLE001 - the pair stays usable, eagerly
+            log.warning("building the captured steps of %s failed:\n%s", name, traceback.format_exc())
+            self._set_capture(gen, f"captured steps unavailable, runs stay eager ({friendly_error(err, 'load')})")
+
+    def _set_capture(self, gen: int, text: str) -> None:
+        with self._cond:
+            if gen == self._generation:
+                self.capture = text
 
     def status(self) -> dict[str, Any]:
         with self._cond:
             return {"name": self.name, "loaded": self.loaded_name, "loading": self.loading,
-                    "progress": self.progress, "error": self.error, "description": self.description}
+                    "progress": self.progress, "error": self.error, "description": self.description,
+                    "capture": self.capture}
 
     def ready(self, name: str, timeout: float = 0.25):
         """The loaded pair `name`, or None if it is still loading after `timeout` s; UserError if it failed."""

@@ -149,13 +149,14 @@ class Backend:
                 return None
         return run.result
 
-    def _ar_key(self, pair, spec: RunSpec) -> tuple:
-        return ARCache.key(self.pairs.loaded_name, pair.dtype, spec)
+    def ar_key(self, pair, spec: RunSpec) -> tuple:
+        steps = pair.describe_capture() if pair.capture_ready and spec.capture != "off" else "eager"
+        return ARCache.key(self.pairs.loaded_name, pair.dtype, spec, steps)
 
     def baseline(self, pair, spec: RunSpec, cancel: Cancel) -> Generator[Status, None, Baseline | None]:
         """AR on the same prompt and settings: from the cache, else measured now (a Status first); None if
         cancelled while measuring."""
-        key = self._ar_key(pair, spec)
+        key = self.ar_key(pair, spec)
         cached = self.ar_cache.baseline(key)
         if cached is not None:
             return cached
@@ -174,8 +175,8 @@ class Backend:
             yield Done(None)
             return
         if spec.strategy == AR:
-            self.ar_cache.put(self._ar_key(pair, spec), result)
-        if self._ar_key(pair, spec) not in self.ar_cache:
+            self.ar_cache.put(self.ar_key(pair, spec), result)
+        if self.ar_key(pair, spec) not in self.ar_cache:
             yield Done(result)  # show the run now; AR follows
         baseline = yield from self.baseline(pair, spec, cancel)
         if baseline is None:  # cancelled while measuring AR: the run stays shown, without a baseline

@@ -19,7 +19,7 @@ import gradio as gr
 from engine.session import AR, WARM_UP_TOKENS, RunSpec, check_spec
 from engine.strategies import STRATEGIES
 from engine.sweep import MAX_POINTS, run_sweep, size_param, size_values
-from treeviz.ar_cache import ARCache, attach_comparison
+from treeviz.ar_cache import attach_comparison
 from treeviz.errors import USER_FACING
 from treeviz.gpu import GPU_SECONDS_MAX, gpu
 from treeviz.handlers import in_session, loaded_pair, reported, spec_from_inputs, status_update
@@ -32,9 +32,9 @@ RACE_OUTPUTS = ("race_runs", "race_plot", "status", "race_summary")
 SWEEP_OUTPUTS = ("sweep_plot", "status", "sweep_summary")
 DEFAULT_RACE = ("dynatree",)
 FAIR = ("fair measurement: AR and every strategy decoded back to back in this request, on the same prompt and "
-        "settings, unobserved (nothing drawn while they ran), AR measured fresh (not reused from the cache). AR is "
-        "the engine's own eager loop, as every strategy here runs eagerly; a compiled AR (torch.compile, the "
-        "bench's ar-compiled) can be faster on a CPU, so `python -m engine bench` divides by the faster of both")
+        "settings, unobserved (nothing drawn while they ran), AR measured fresh (not reused from the cache), every "
+        "lane's forwards run the same way: on the pair's captured steps once they are ready (AR then takes the "
+        "captured one-row step, AR at its fastest on this machine), eagerly before")
 # A sweep is (points + 1) whole runs (AR once) of max_new_tokens each, and it holds the pair's run lock throughout:
 # every other Run on the pair waits for it. The default pair writes about 15 tokens/s on the 2-core CPU this app is
 # sized for, so 4096 tokens is about 4-5 minutes, the longest a page should hold the pair. Longer sweeps belong in
@@ -102,7 +102,7 @@ def _race_updates(lanes: list[tuple[str, RunSpec]], session: str) -> Iterator[tu
             yield status_update(item.text, names=RACE_OUTPUTS)
             continue
         runs = item
-        baseline = BACKEND.ar_cache.put(ARCache.key(BACKEND.pairs.loaded_name, pair.dtype, lanes[0][1]), runs[0][1])
+        baseline = BACKEND.ar_cache.put(BACKEND.ar_key(pair, lanes[0][1]), runs[0][1])
         for _, result in runs:  # AR fresh from this request: every lane's comparison says "measured for this run"
             attach_comparison(result, baseline)
         summary = race_json(runs)
@@ -146,9 +146,10 @@ def race_status_html(summary: dict[str, Any]) -> str:
     parts = [f"<b>{html.escape(lane['label'])} {lane['speedup_vs_ar']:.2f}× AR</b> (AR {seconds(ar['decode_s'])} ÷ "
              f"{html.escape(lane['label'])} {seconds(lane['decode_s'])})"
              for lane in summary["lanes"][1:] if lane["speedup_vs_ar"] is not None]
+    steps = f"; forwards: {ar['steps']}" if ar.get("steps") else ""
     return (f"<div class='tv-status' id='tv-race-headline'>Race speedup — {' · '.join(parts) or 'no speedup'} · "
             f"winner: <b>{html.escape(summary['winner'])}</b><br><span style='font-size:12px;color:#6b7280'>"
-            f"{html.escape(FAIR)}; {html.escape(NOTE)}</span></div>")
+            f"{html.escape(FAIR)}{html.escape(steps)}; {html.escape(NOTE)}</span></div>")
 
 
 # -- the sweep -------------------------------------------------------------------------------------------------------

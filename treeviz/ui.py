@@ -79,7 +79,8 @@ def model_status_html() -> str:
         return status_html(f"loading {st['name']}: {msg} — the gallery and uploads work meanwhile; "
                            "the tiny-random pair loads instantly", progress=frac)
     if st["loaded"]:
-        return status_html(f"models ready: {st['description']}")
+        capture = f" — {st['capture']}" if st.get("capture") else ""
+        return status_html(f"models ready: {st['description']}{capture}")
     return status_html("no models loaded (press Run to load the selected pair)")
 
 

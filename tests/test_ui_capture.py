@@ -1,0 +1,53 @@
+"""The app's first start with captured steps: the pair serves eager runs at once, its packages are compiled by
+another process in the background, then loaded and measured between runs, and runs switch to them; a second start
+finds them built and loads them before its first run. (Minutes of compiling on a fresh cache: the tiny pair's three
+packages.)"""
+from __future__ import annotations
+
+import time
+
+from engine.session import RunSpec, generate
+from treeviz.ar_cache import ARCache
+from treeviz.pairs import PairManager
+from treeviz.runs import Backend
+
+SPEC = RunSpec(pair="tiny-random", prompt="def tree(n):", strategy="dynatree", max_new_tokens=12,
+               stop_on_eos=False)
+
+
+def wait_for_capture(pairs: PairManager, timeout: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pairs.status()["capture"] and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert not pairs.status()["capture"], pairs.status()["capture"]
+
+
+def test_first_start_serves_eagerly_then_switches_to_captured_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
+    pairs = PairManager(capture="auto")
+    pairs.load("tiny-random")  # this thread: load, then the builder process starts in the background
+    pair = pairs.pair
+    assert pair.capture == "aoti" and not pair.capture_ready
+    assert "compiling 3 captured step(s) in the background" in pairs.status()["capture"]
+    eager = generate(pair, SPEC)
+    assert eager.config["steps"] == "eager"  # a run while the packages compile: eager, and says so
+
+    wait_for_capture(pairs)
+    assert pair.capture_ready and "captured (AOTInductor)" in pairs.status()["description"]
+    captured = generate(pair, SPEC)
+    assert captured.config["steps"] == "captured (AOTInductor)" and captured.output_ids == eager.output_ids
+    assert list((tmp_path / "captured").glob("*.pt2")), "the packages are on disk for the next start"
+
+    # an AR measured eagerly never stands in for the captured one (and the other way round)
+    backend = Backend()
+    backend.pairs.loaded_name = "tiny-random"
+    off = RunSpec(**{**SPEC.__dict__, "capture": "off"})
+    assert backend.ar_key(pair, SPEC) != backend.ar_key(pair, off)
+    assert ARCache.key("p", "bf16", SPEC, "eager") != ARCache.key("p", "bf16", SPEC, "captured")
+
+    again = PairManager(capture="auto")  # a second start: everything built, loaded before the first run
+    again.load("tiny-random")
+    assert again.pair.capture_ready and not again.status()["capture"]  # no builder started
+    info = again.pair.capture_info
+    assert all(p["compile_s"] is None for role in info.values() for p in role["packages"])  # nothing compiled
+    assert generate(again.pair, SPEC).config["steps"] == "captured (AOTInductor)"
