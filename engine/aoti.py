@@ -10,7 +10,7 @@ any count in a range with `dynamic=True`); the cache length L is dynamic, so one
 length. The embedding lookup stays outside (a gather; keeping it out keeps the table out of the package). Weights are
 frozen into the package and inductor picks its own GEMM per weight shape (`max_autotune`), the way the compiled AR
 step does: on a 2-core CPU that is what makes a one-row step faster than oneDNN's packed path
-(docs/experiments/2026-11-26-captured-steps.md).
+(docs/experiments/2026-11-25-captured-steps.md).
 
 Why AOTInductor rather than torch.compile: a torch.compile graph with frozen, re-packed weights bypasses inductor's
 disk cache, so every process would compile again (minutes per graph); a package is compiled once per machine and
@@ -130,7 +130,7 @@ def example_inputs(model, rows: int, length: int = 64):
     cache = StaticCache(config=model.config, max_cache_len=length)
     with torch.inference_mode():  # one forward allocates the cache's tensors
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
-    hidden = model.get_input_embeddings().embedding_dim
+    hidden = model.config.get_text_config().hidden_size
     embeds = torch.zeros(1, rows, hidden, dtype=dtype, device=device)
     positions = torch.arange(rows, device=device)[None]
     mask = torch.zeros(1, 1, rows, length, dtype=dtype, device=device)

@@ -92,16 +92,19 @@ class Drafter:
         tree = self.tree
         base = self.steps.length
         batch_col = {node: base + i for i, node in enumerate(nodes)}
-        visible = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
-        visible[:, : self.root_pos + 1] = True  # committed prefix and the root
+        rows, cols = [], []  # each node's own column and its ancestors' (one tensor write for the batch)
         for i, node in enumerate(nodes):
             a = node
             while a > 0:
                 col = batch_col.get(a, self.rows.get(a))
                 if col is None:
                     raise ValueError(f"node {node}: ancestor {a} has not been expanded by the draft")
-                visible[i, col] = True
+                rows.append(i)
+                cols.append(col)
                 a = tree.parents[a]
+        visible = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
+        visible[:, : self.root_pos + 1] = True  # committed prefix and the root
+        visible[rows, cols] = True
         logits = self.steps.forward([tree.tokens[n] for n in nodes], [self.root_pos + tree.depths[n] for n in nodes],
                                     visible)
         self.rows.update(batch_col)

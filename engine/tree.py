@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -109,15 +110,16 @@ class DraftTree:
         return None
 
     def ancestor_matrix(self) -> torch.Tensor:
-        """Bool [n, n]: entry (i, j) is True iff j is i or an ancestor of i."""
-        n = len(self.tokens)
-        visible = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            parent = self.parents[i]
-            if parent >= 0:
-                visible[i] = visible[parent]
-            visible[i, i] = True
-        return visible
+        """Bool [n, n]: entry (i, j) is True iff j is i or an ancestor of i. Each row is a Python integer's bits (a
+        node's is its parent's plus its own), unpacked in one call: a tensor write per row would cost more than the
+        rest of the iteration's bookkeeping."""
+        n = len(self.parents)
+        masks: list[int] = []
+        for i, parent in enumerate(self.parents):
+            masks.append((masks[parent] if parent >= 0 else 0) | (1 << i))
+        width = (n + 7) // 8
+        raw = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), dtype=np.uint8).reshape(n, width)
+        return torch.from_numpy(np.unpackbits(raw, axis=1, count=n, bitorder="little").astype(bool))
 
     def is_prefix_closed(self) -> bool:
         return all(p < i for i, p in enumerate(self.parents) if i > 0) and self.parents[0] == -1
