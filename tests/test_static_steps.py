@@ -206,7 +206,8 @@ def real_shape_model(dtype: torch.dtype, seed: int = 0, vocab: int = 520):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_real_shapes_static_equals_dynamic(dtype, graphs):
     model = real_shape_model(dtype)
-    assert model.config.head_dim == 128 and model.config.num_attention_heads // model.config.num_key_value_heads == 7
+    attention = model.model.layers[0].self_attn
+    assert attention.head_dim == 128 and attention.num_key_value_groups == 7
     dynamic, _ = run_iterations(DynamicSteps(model))
     static, _ = run_iterations(StaticSteps(model, capacity(len(PROMPT), 40, 8), (1, 2, 4, 8), graphs=graphs))
     if dtype == torch.float32:

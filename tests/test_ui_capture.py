@@ -1,9 +1,10 @@
 """The app's first start with captured steps: the pair serves eager runs at once, its packages are compiled by
 another process in the background, then loaded and measured between runs, and runs switch to them; a second start
-finds them built and loads them before its first run. (Minutes of compiling on a fresh cache: the tiny pair's three
-packages.)"""
+finds them built and loads them before its first run. (Minutes of compiling on a fresh cache: the tiny pair's packages;
+how many depends on which of its draft's row counts this machine routes to quantised kernels.)"""
 from __future__ import annotations
 
+import re
 import time
 
 from engine.session import RunSpec, generate
@@ -28,7 +29,7 @@ def test_first_start_serves_eagerly_then_switches_to_captured_steps(tmp_path, mo
     pairs.load("tiny-random")  # this thread: load, then the builder process starts in the background
     pair = pairs.pair
     assert pair.capture == "aoti" and not pair.capture_ready
-    assert "compiling 3 captured step(s) in the background" in pairs.status()["capture"]
+    assert re.search(r"compiling \d+ captured step\(s\) in the background", pairs.status()["capture"])
     eager = generate(pair, SPEC)
     assert eager.config["steps"] == "eager"  # a run while the packages compile: eager, and says so
 

@@ -137,6 +137,7 @@ class PairManager:
                                "minutes); runs decode eagerly until then")
         log_path = cache_dir() / "captured" / f"build-{os.getpid()}.log"
         try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "w") as log_file:
                 builder = start_builder(build_request(pair, target, draft, todo, draft_quant="auto"), log_file)
                 code = builder.wait()
