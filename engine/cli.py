@@ -6,9 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from engine.metrics import drift_warning
+from engine.measure.metrics import drift_warning
 from engine.models import PAIRS
-from engine.sampling import Sampling
+from engine.core.sampling import Sampling
 from engine.session import RunSpec, check_spec, split_pair, start_run
 from engine.strategies import STRATEGIES, StrategyError
 
@@ -145,7 +145,7 @@ def _models(args) -> tuple[str, str | None]:
 
 
 def _load(args):
-    from engine.capture import prepare_capture
+    from engine.capture.packages import prepare_capture
     from engine.models import load_pair
     target, draft = _models(args)
 
@@ -188,7 +188,7 @@ def _iteration_line(record) -> str:
 
 
 def cmd_generate(args) -> int:
-    from engine.bench import compare_with_ar
+    from engine.bench.tables import compare_with_ar
     spec = _run_spec(args)
     pair = _load(args)
     if args.compare_ar:
@@ -238,7 +238,7 @@ def _summary(result) -> str:
 
 
 def cmd_bench(args) -> int:
-    from engine.bench import AR_METHODS, PEERS, bench, format_table, method_params, split_method
+    from engine.bench.tables import AR_METHODS, PEERS, bench, format_table, method_params, split_method
     methods = [m.strip() for m in args.strategies.split(",") if m.strip()]
     preset = _preset(args, [split_method(m)[0] for m in methods])
     names = {m: split_method(m, preset) for m in methods}
@@ -263,8 +263,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_costs(args) -> int:
-    from engine.capture import format_capture
-    from engine.costs import format_costs
+    from engine.capture.packages import format_capture
+    from engine.measure.costs import format_costs
     pair = _load(args)
     print(format_costs(pair.costs, pair.routing()))
     if pair.capture_info:

@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine import kv
-from engine.autosize import AutoSizer
-from engine.drafter import Drafter, softmax_processor
-from engine.metrics import run_metrics
-from engine.prompts import Prompt, PromptError, encode_prompt, prompt_text
+from engine.core import kv
+from engine.measure.autosize import AutoSizer
+from engine.core.drafter import Drafter, softmax_processor
+from engine.measure.metrics import run_metrics
+from engine.core.prompts import Prompt, PromptError, encode_prompt, prompt_text
 from engine.records import complete_record, iteration_cost, iteration_record, margins
-from engine.runtime import synchronize
-from engine.sampling import Sampling
-from engine.selector import FeatureTaps
-from engine.steps import DynamicSteps, pair_static_steps
+from engine.core.runtime import synchronize
+from engine.core.sampling import Sampling
+from engine.strategies.selector import FeatureTaps
+from engine.core.steps import DynamicSteps, pair_static_steps
 from engine.strategies.base import Strategy
-from engine.trace import IterationRecord, RunResult
-from engine.tree import DraftTree
+from engine.core.trace import IterationRecord, RunResult
+from engine.core.tree import DraftTree
 from engine.verify import VerificationError, Verifier, default_verifier
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class StopRule:
 class RunState:
     """Everything one run holds while it decodes; its DecodeRun owns it, the decoder's steps read and extend it."""
     prompt_ids: list[int]
-    target: Any                         # the target's steps (engine/steps.py): its forwards and its KV cache,
+    target: Any                         # the target's steps (engine/core/steps.py): its forwards and its KV cache,
                                         # which holds the committed tokens before the root (in neither cache)
     drafter: Drafter | None             # the draft side and its own cache; None for a strategy without a draft
     generator: torch.Generator | None   # every random draw of the run when sampling, seeded with sampling.seed
@@ -130,9 +130,9 @@ class Decoder:
 
     def __init__(self, pair: "ModelPair", strategy: Strategy, verifier: Verifier | None = None,
                  sampling: Sampling | None = None, steps: str = "auto", capture: str = "auto"):
-        """steps "auto" | "static" | "dynamic" (engine/steps.py): "auto" is static exactly when the run takes the
+        """steps "auto" | "static" | "dynamic" (engine/core/steps.py): "auto" is static exactly when the run takes the
         pair's captured steps; capture "auto" | "off": "auto" takes them wherever the pair has them ready
-        (engine/capture.py), so runs take the steps its cost table measured; "off" runs eagerly (the bench's
+        (engine/capture/packages.py), so runs take the steps its cost table measured; "off" runs eagerly (the bench's
         eager AR)."""
         if strategy.uses_draft and pair.draft is None:
             raise ValueError(f"strategy {strategy.name!r} needs a draft model, and this pair has none")
@@ -194,7 +194,7 @@ class Decoder:
 
     def _steps(self, role: str, prompt_len: int, stop: StopRule):
         """A model's steps for a new run: the dynamic path, or the pair's static steps reset (built once per pair and
-        reused by every later run that fits, engine/steps.py `pair_static_steps`: allocating a static cache and
+        reused by every later run that fits, engine/core/steps.py `pair_static_steps`: allocating a static cache and
         capturing its graphs takes seconds)."""
         if not self.static:
             return DynamicSteps(self.pair.target if role == "target" else self.pair.draft)

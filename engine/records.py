@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling import Sampling
-from engine.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationCost, IterationRecord,
+from engine.core.sampling import Sampling
+from engine.core.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationCost, IterationRecord,
                           NodeRecord)
-from engine.tree import DraftTree
+from engine.core.tree import DraftTree
 from engine.verify import Verdict
 
 if TYPE_CHECKING:
-    from engine.costs import PairCosts
+    from engine.measure.costs import PairCosts
 
 
 def iteration_record(index: int, root_pos: int, tree: DraftTree, verdict: Verdict, new: list[int],

@@ -12,9 +12,9 @@ from typing import Any
 
 from engine.decoder import Decoder, DecodeRun
 from engine.models import PAIRS
-from engine.sampling import Sampling
+from engine.core.sampling import Sampling
 from engine.strategies import make_strategy
-from engine.trace import RunResult
+from engine.core.trace import RunResult
 from engine.verify import Verifier, make_verifier
 
 AR = "ar"
@@ -37,9 +37,9 @@ class RunSpec:
     verifier: str = "auto"             # a rule's name, or "auto": the strategy's default rule
     stop_on_eos: bool = True
     stop_strings: tuple[str, ...] = ()
-    # How model forwards run (engine/steps.py): "dynamic" (a growing cache), "static" (a preallocated cache,
+    # How model forwards run (engine/core/steps.py): "dynamic" (a growing cache), "static" (a preallocated cache,
     # row-count buckets) or "auto" (static exactly when the run takes the pair's captured steps); capture "auto"
-    # takes them wherever the pair has them ready (engine/capture.py), "off" runs eagerly.
+    # takes them wherever the pair has them ready (engine/capture/packages.py), "off" runs eagerly.
     steps: str = "auto"
     capture: str = "auto"
 

@@ -1,6 +1,6 @@
 """Would compiling the tree's forwards pay? One target forward of B tree rows, eager against torch.compile.
 
-The bench's `ar-compiled` baseline compiles the single-row step (engine/compiled.py). A speculative iteration
+The bench's `ar-compiled` baseline compiles the single-row step (engine/capture/compiled.py). A speculative iteration
 instead verifies B rows under a tree mask, and B changes every iteration. This probe times, for each B asked for, one
 forward of B rows after a `--prefix`-token cache, both ways (a compiled graph needs fixed shapes, so a static cache):
 
@@ -43,11 +43,11 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
     import torch._inductor.config as inductor_config
     from transformers import StaticCache
 
-    from engine import kv
-    from engine.attention import compiled_attention
-    from engine.compiled import round_to_step
-    from engine.costs import probe_ids
-    from engine.kernels import forcing
+    from engine.core import kv
+    from engine.core.attention import compiled_attention
+    from engine.capture.compiled import round_to_step
+    from engine.measure.costs import probe_ids
+    from engine.core.kernels import forcing
     from engine.models import load_pair
 
     model = load_pair(pair_spec, None, dtype=dtype).target
@@ -143,7 +143,7 @@ def main() -> int:
     parser.add_argument("--mode", default="max-autotune", choices=("max-autotune", "default"))
     parser.add_argument("--variants", default="shipped",
                         help="compiled variants timed in one process beside eager, as ATTENTION[:CACHE_LEN],...: "
-                             "shipped = the compiled AR's attention (engine.attention.compiled_attention), sdpa = "
+                             "shipped = the compiled AR's attention (engine.core.attention.compiled_attention), sdpa = "
                              "transformers' default (fused CPU kernel, heads repeated under a mask); the cache "
                              "length defaults to what the compiled AR would use")
     parser.add_argument("--json", help="write the rows here")

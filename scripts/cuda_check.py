@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.models import tiny_random_pair
-from engine.sampling import Sampling
+from engine.core.sampling import Sampling
 from engine.session import RunSpec, generate
 from engine.strategies import STRATEGIES
 

@@ -4,8 +4,8 @@
     python -m scripts.device_costs --device cpu --pairs pythia-2.8b/pythia-70m --dtype fp32 --no-graphs
 
 Models are randomly initialised at their published shapes (engine/models/shapes.py; cost depends on the shapes, not
-the weights). Per model, the engine's own calibration (engine/costs.py): `measure` on the eager path (a growing
-cache), and, on CUDA, `measure_static` through the engine's static steps with one captured graph per rung -- the
+the weights). Per model, the engine's own calibration (engine/measure/costs.py): `measure` on the eager path (a growing
+cache), and, on CUDA, `measure_graphed` (engine/capture/packages.py) through the engine's static steps with one captured graph per rung -- the
 steps runs take. Then, on CUDA:
 - capture: seconds per bucket and the GPU memory the graphs hold (StaticSteps.capture_info);
 - a single-row replay's wall time against the summed duration of the kernels it ran (torch.profiler): how close a
@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from engine.costs import LADDER, PREFIX, measure, measure_static, probe_ids
+from engine.capture.packages import measure_graphed
+from engine.measure.costs import LADDER, PREFIX, measure, probe_ids
 from engine.models.shapes import shape_model
-from engine.steps import StaticSteps
-from engine.runtime import synchronize
+from engine.core.steps import StaticSteps
+from engine.core.runtime import synchronize
 
 DEFAULT_PAIRS = ("qwen2.5-1.5b/qwen2.5-0.5b,qwen2.5-7b/qwen2.5-0.5b,qwen3-8b/qwen3-0.6b,"
                  "smollm2-1.7b/smollm2-135m,pythia-2.8b/pythia-70m")
@@ -73,7 +74,7 @@ def one_model(name: str, dtype: torch.dtype, device: torch.device, graphs: bool)
         row["eager"] = measure(model, ["plain"])["plain"]
         if graphs:
             start = time.perf_counter()
-            row["graphed"] = measure_static(model, ["plain"])["plain"]
+            row["graphed"] = measure_graphed(model, ["plain"])["plain"]
             row["graphed_table_s"] = time.perf_counter() - start  # captures (7 graphs) + the timing sweeps
             row.update(replay_vs_kernels(model))
     del model

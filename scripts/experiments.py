@@ -24,11 +24,11 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from engine.bench import run_method, throughput
-from engine.metrics import calibration, run_metrics
+from engine.bench.tables import run_method, throughput
+from engine.measure.metrics import calibration, run_metrics
 from engine.models import PAIRS, load_pair
-from engine.prompts import PROMPT_SETS, load_prompt_set
-from engine.sampling import Sampling
+from engine.core.prompts import PROMPT_SETS, load_prompt_set
+from engine.core.sampling import Sampling
 from engine.verify import make_verifier, theory
 
 
@@ -143,7 +143,7 @@ def delayed_experiment(pair, prompts, args):
 def predicted_efficiency(pair, prompts, sampling):
     """Mean over the prompts' first positions of 1 + alpha(p, q, K), from the two models' real distributions."""
     import torch
-    from engine.prompts import encode_prompt
+    from engine.core.prompts import encode_prompt
     out = {}
     for prompt in prompts:
         ids = torch.tensor([encode_prompt(pair.tokenizer, prompt)], device=pair.device)

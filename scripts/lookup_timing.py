@@ -1,8 +1,8 @@
-"""Which index should context lookup use? Times three on copy-heavy token streams (the numbers in engine/lookup.py).
+"""Which index should context lookup use? Times three on copy-heavy token streams (the numbers in engine/core/lookup.py).
 
 Each index is fed the stream 4 tokens at a time (as iterations commit them) and asked, every 10th step, for the
 longest earlier match of the stream's end and what followed its occurrences (up to 4 continuations of 8 tokens):
-- "ngram-hash": engine.lookup.LookupIndex, one dict entry per n-gram of every order min..max;
+- "ngram-hash": engine.core.lookup.LookupIndex, one dict entry per n-gram of every order min..max;
 - "bigram+extend": one dict of min-order n-grams; each occurrence's match length found by comparing backwards;
 - "suffix-automaton": online suffix automaton; endpos of a state by walking its subtree of suffix links.
 Usage: python -m scripts.lookup_timing [--lengths 2000 8000]
@@ -13,7 +13,7 @@ import argparse
 import random
 import time
 
-from engine.lookup import LookupIndex
+from engine.core.lookup import LookupIndex
 
 MIN, MAX, STEP, CONTS, LEN = 2, 8, 4, 4, 8
 

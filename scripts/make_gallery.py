@@ -5,7 +5,7 @@
 
 Code, chat and prose prompts (the first of each kind in assets/prompts/); DynaTree, DySpec, SALF and DDTree with
 their `paper` presets (big trees), `delayed` at temperature 0.8, then the `cpu` preset of the strategy that ran
-fastest among them on the code prompt. Each trace is one compact RunResult JSON (engine.trace) with its comparison
+fastest among them on the code prompt. Each trace is one compact RunResult JSON (engine.core.trace) with its comparison
 against AR on the same prompt, through the same backend loop the app streams from. A file over --max-kb is run
 again with proportionally fewer new tokens, so every file stays bounded; the total is printed at the end.
 """

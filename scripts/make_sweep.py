@@ -1,10 +1,10 @@
-"""Precompute one trade-off sweep (engine.sweep) and write it as JSON, for the app to show before any model loads.
+"""Precompute one trade-off sweep (engine.bench.sweep) and write it as JSON, for the app to show before any model loads.
 
     python -m scripts.make_sweep --pair default      # the real offline pair: minutes of CPU; run it on a quiet
                                                     # machine (the measured times are the curve)
     python -m scripts.make_sweep --pair tiny-random --tokens 8 --out /tmp/sweeps   # seconds; what the tests use
 
-The sweep runs the strategy at --points sizes of its size knob (the default range of engine.sweep.size_values) and
+The sweep runs the strategy at --points sizes of its size knob (the default range of engine.bench.sweep.size_values) and
 AR once, on the first prompt of --kind, greedy, and writes sweep_<kind>_<strategy>.json into --out. The files go in
 a subfolder of assets/traces/ because the gallery lists every *.json directly in assets/traces/ as a run trace.
 """
@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from engine.models import load_pair
-from engine.prompts import PROMPT_SETS, load_prompt_set
+from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.session import RunSpec, split_pair
-from engine.sweep import DEFAULT_POINTS, run_sweep
+from engine.bench.sweep import DEFAULT_POINTS, run_sweep
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "assets" / "traces" / "sweeps"
 

@@ -1,4 +1,4 @@
-"""Build the token-frequency table the trimmed draft head uses (engine/vocab.py) and write it to assets/vocab/.
+"""Build the token-frequency table the trimmed draft head uses (engine/models/vocab.py) and write it to assets/vocab/.
 
     python -m scripts.make_vocab_table                 # the default pair's tokenizer (the converted model's)
     python -m scripts.make_vocab_table --tokenizer DIR # any saved Hugging Face tokenizer
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 
-from engine.vocab import ASSETS, build_table
+from engine.models.vocab import ASSETS, build_table
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Training data for the delayed-tree neural selector, and its training (engine/selector_train.py).
+"""Training data for the delayed-tree neural selector, and its training (engine/training/selector_train.py).
 
     python -m scripts.selector_data collect --pair default   # real runs -> ~/.cache/treeviz/selector/
     python -m scripts.selector_data train                    # -> assets/selector/{specinfer,spectr}.safetensors
@@ -26,12 +26,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine import selector as neural
-from engine import selector_train
+from engine.strategies import selector as neural
+from engine.training import selector_train
 from engine.decoder import Decoder
 from engine.models import PAIRS, load_pair
-from engine.prompts import PROMPT_SETS, load_prompt_set
-from engine.sampling import Sampling
+from engine.core.prompts import PROMPT_SETS, load_prompt_set
+from engine.core.sampling import Sampling
 from engine.strategies.base import Strategy
 from engine.verify import SpecInfer
 
@@ -51,7 +51,7 @@ def split_prompts(split: str, limit: int | None = None, sets=PROMPT_SETS) -> lis
 
 
 class Cover(Strategy):
-    """Drafts the cover tree of every action (engine.selector_train.grow_cover) and keeps the root's features."""
+    """Drafts the cover tree of every action (engine.training.selector_train.grow_cover) and keeps the root's features."""
     name, label, summary = "cover", "Selector cover tree", "every (K, L1, L2) delayed tree at once"
     child_mode = "iid"
     presets = {"cpu": {}}

@@ -19,10 +19,10 @@ from pathlib import Path
 from scripts.experiments import sweep
 from scripts.selector_data import split_prompts
 
-from engine import selector as neural
+from engine.strategies import selector as neural
 from engine.models import PAIRS, load_pair
-from engine.prompts import PROMPT_SETS
-from engine.sampling import Sampling
+from engine.core.prompts import PROMPT_SETS
+from engine.core.sampling import Sampling
 from engine.strategies import make_strategy
 
 
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = ap.parse_args(argv)
     if args.weights:
-        neural.WEIGHTS_DIR = Path(args.weights)  # where engine.selector.shipped() looks
+        neural.WEIGHTS_DIR = Path(args.weights)  # where engine.strategies.selector.shipped() looks
 
     pair = load_pair(*PAIRS[args.pair], dtype=args.dtype)
     prompts = [prompt for _, prompt in split_prompts("heldout", args.prompts, args.sets)]

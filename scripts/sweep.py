@@ -13,9 +13,9 @@ import math
 from pathlib import Path
 
 
-from engine.bench import run_method
+from engine.bench.tables import run_method
 from engine.models import PAIRS, load_pair
-from engine.prompts import PROMPT_SETS, load_prompt_set
+from engine.core.prompts import PROMPT_SETS, load_prompt_set
 
 
 def parse_grid(items):

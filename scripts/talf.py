@@ -1,4 +1,4 @@
-"""TALF (engine/talf.py) against plain distillation, at this machine's scale; and a LoRA run on the real draft.
+"""TALF (engine/training/talf.py) against plain distillation, at this machine's scale; and a LoRA run on the real draft.
 
     python -m scripts.talf tiny --out runs/talf            # small models trained here: OUT/talf.md + OUT/talf.html
     python -m scripts.talf lora --minutes 5 --out ~/talf-lora   # LoRA (peft) on the default pair's 0.5B draft
@@ -18,7 +18,7 @@ projection) on the fp32 0.5B draft is trained with TALF, cycling over them, unti
 (the step in progress is finished), and saved with peft's save_pretrained to --out, which must lie outside the repo.
 --resume PATH continues an earlier adapter instead of starting one (give another --seed for other sequences); the
 saved talf_run.json keeps every run's steps and wall time, so a budget spread over several sittings adds up.
-Load it as a draft with engine.talf.load_adapter(draft, PATH) before kernel preparation.
+Load it as a draft with engine.training.talf.load_adapter(draft, PATH) before kernel preparation.
 """
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from engine import kv
+from engine.core import kv
 from engine.models import ModelPair, tiny_config, tiny_random_model, tiny_tokenizer
 from engine.session import RunSpec, generate
-from engine.talf import add_lora, load_adapter, target_tree_batch, tree_loss
-from engine.vocab import corpus_files
+from engine.training.talf import add_lora, load_adapter, target_tree_batch, tree_loss
+from engine.models.vocab import corpus_files
 
 EVAL_STRATEGIES = ("dynatree", "salf", "eagle2")
 
@@ -281,7 +281,7 @@ def lora(args) -> int:
         "total_wall_s": round(sum(r["wall_s"] for r in runs), 1)}, indent=1))
     print(f"saved the adapter to {out} after {step} steps, {time.perf_counter() - t0:.0f} s in all "
           f"({len(runs)} run(s), {sum(r['steps'] for r in runs)} steps); load it with "
-          f"engine.talf.load_adapter(draft, {str(out)!r})")
+          f"engine.training.talf.load_adapter(draft, {str(out)!r})")
     return 0
 
 

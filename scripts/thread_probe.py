@@ -54,7 +54,7 @@ def decode_rate(pair, spec) -> float:
 
 
 def decode_times(name: str, strategy: str, max_new_tokens: int, rounds: int) -> None:
-    from engine.prompts import load_prompt_set
+    from engine.core.prompts import load_prompt_set
     from engine.session import RunSpec
     from treeviz.pairs import PairManager
     manager = PairManager()

@@ -182,7 +182,7 @@ def lag_of_run(page, prompt: str, marks: list, strategy: str) -> dict:
 def browser_lag(args) -> None:
     """The page's lag on each prompt of the set (the first one run once more before, to warm up; not reported)."""
     from playwright.sync_api import sync_playwright
-    from engine.prompts import load_prompt_set
+    from engine.core.prompts import load_prompt_set
     from treeviz.ui import DEFAULT_STRATEGY
     prompts = [p for p in load_prompt_set(args.prompt_set) if isinstance(p["prompt"], str)][:args.runs]
     with stamped_iterations() as marks:

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-from engine.tree import DraftTree
+from engine.core.tree import DraftTree
 
 WIDTH = 6  # tensor length; the first `vocab` entries carry the tiny vocabulary
 DEVICE = os.environ.get("TREEVIZ_TEST_DEVICE", "cpu")  # "cuda": the same proofs on a GPU's tensors

@@ -1,4 +1,4 @@
-"""Captured CPU steps (engine/aoti.py, engine/capture.py) compute what the eager path computes.
+"""Captured CPU steps (engine/capture/aoti.py, engine/capture/packages.py) compute what the eager path computes.
 
 Everything here runs the production path on tiny fp32 pairs: torch.export, AOTInductor's compile (max-autotune,
 frozen weights), the package on disk, its runner inside StaticSteps, the decoder. The draft is quantised to int4 and
@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import aoti
-from engine.bench import AR_CAPTURED, AR_EAGER, bench
-from engine.capture import (CaptureUnavailable, CapturedModel, Package, capture_backend, install, plan, prepare_capture,
+from engine.capture import aoti
+from engine.bench.tables import AR_CAPTURED, AR_EAGER, bench
+from engine.capture.packages import (CaptureUnavailable, CapturedModel, Package, capture_backend, install, plan, prepare_capture,
                             prepare_model, recipe_key)
-from engine.captured_ar import CapturedAR
-from engine.costs import CAPTURED, ModelCosts, calibrate_pair
-from engine.kernels import quantize_linears, router_of
+from engine.capture.captured_ar import CapturedAR
+from engine.measure.costs import CAPTURED, ModelCosts, calibrate_pair
+from engine.core.kernels import quantize_linears, router_of
 from engine.models import tiny_random_model, tiny_random_pair
-from engine.sampling import Sampling
+from engine.core.sampling import Sampling
 from engine.session import RunSpec, generate
-from engine.steps import DynamicSteps, StaticSteps, causal_visibility
+from engine.core.steps import DynamicSteps, StaticSteps, causal_visibility
 from engine.strategies import STRATEGIES
 
 PROMPT = "captured steps, eager steps:"
@@ -152,7 +152,7 @@ def test_the_bench_runs_every_ar_and_divides_by_the_fastest(pair):
 def test_a_package_is_compiled_once_and_loaded_after(pair, monkeypatch):
     def refuse(*args):
         raise AssertionError("compiled again")
-    monkeypatch.setattr("engine.capture.build", refuse)
+    monkeypatch.setattr("engine.capture.packages.build", refuse)
     again = prepare_model(pair.target, pair.target_name, "target")
     assert [p.compile_s for p in again.packages] == [None, None] and not any("failed" in n for n in again.notes)
 
@@ -167,7 +167,7 @@ def test_packages_are_keyed_by_the_weights():
 
 
 def test_a_package_that_does_not_fit_stays_eager(pair, monkeypatch):
-    monkeypatch.setattr("engine.capture.available_memory", lambda: 1 << 20)
+    monkeypatch.setattr("engine.capture.packages.available_memory", lambda: 1 << 20)
     model = prepare_model(pair.target, pair.target_name, "target")
     assert model.packages == [] and all("memory" in note for note in model.notes)
 
@@ -207,7 +207,7 @@ def test_real_shapes_and_a_padded_vocabulary_decode_the_same_captured():
     """The shapes real pairs have, through export and compile: 7 query heads per key/value head, head_dim 128, and a
     draft whose vocabulary is narrower than the target's (its logits padded to the target's width, as Qwen2.5-7B's
     0.5B draft needs)."""
-    from engine.attention import use_tree_sdpa
+    from engine.core.attention import use_tree_sdpa
     from engine.models import ModelPair, tiny_config, tiny_tokenizer
     from engine.models.widths import match_draft_width
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import run_method
+from engine.bench.tables import run_method
 from engine.cli import main, strategy_docs
 from engine.strategies import STRATEGIES, StrategyError
 
@@ -27,7 +27,7 @@ def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
 def test_compare_ar_warms_up_and_interleaves(monkeypatch, capsys):
     """--compare-ar: a short warm-up run of AR and of the method, then AR and the method alternately
     --compare-repeats times; the fastest of each is compared, and the summary says so."""
-    from engine import bench
+    from engine.bench.tables import tables as bench
     calls = []
     real = bench.generate
 
@@ -255,7 +255,7 @@ def test_bench_help_lists_the_grounded_set_and_the_lookup_peer(capsys):
 
 
 def test_method_names_turn_switches_on_and_off_and_set_values():
-    from engine.bench import method_params, split_method
+    from engine.bench.tables import method_params, split_method
     assert split_method("dynatree+lookup-history@auto") == ("dynatree", "auto")
     assert split_method("dynatree:a_star=0.5@paper") == ("dynatree", "paper")
     assert method_params("dynatree+lookup-history@auto") == {"lookup": True, "history": False}
@@ -272,7 +272,7 @@ def test_method_names_turn_switches_on_and_off_and_set_values():
 
 def test_a_bench_method_runs_with_its_own_values(related_pair):
     """Two values of one parameter in one bench, interleaved: each run carries its own."""
-    from engine.bench import run_method
+    from engine.bench.tables import run_method
     low = run_method(related_pair, "dynatree:budget=3:d0=1", "abcab", 6)["result"]
     high = run_method(related_pair, "dynatree-history:budget=9", "abcab", 6)["result"]
     assert max(it.drafted for it in low.iterations) <= 3 < max(it.drafted for it in high.iterations)
@@ -283,7 +283,7 @@ def test_bench_runs_a_method_without_a_preset_on_the_default_one_whatever_the_la
     """`--strategies fixed,fixed@auto`: `fixed` runs the command's preset (cpu), not the last method's (auto). The
     loop checking the methods once rebound the default preset to the last method's, so every plain method ran at
     `auto` whenever the list ended with an `@auto` method."""
-    import engine.bench
+    import engine.bench.tables
     import engine.cli
     seen = {}
 
@@ -291,7 +291,7 @@ def test_bench_runs_a_method_without_a_preset_on_the_default_one_whatever_the_la
         seen["preset"] = preset
         return {"rows": [], "config": {}}
 
-    monkeypatch.setattr(engine.bench, "bench", fake_bench)
+    monkeypatch.setattr(engine.bench.tables, "bench", fake_bench)
     monkeypatch.setattr(engine.cli, "_load", lambda args: None)
     assert main(["bench", "--pair", "tiny-random", "--capture", "off", "--preset", "cpu", "--strategies", "ar,fixed,fixed@auto"]) == 0
     assert seen["preset"] == "cpu"

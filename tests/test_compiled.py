@@ -1,16 +1,16 @@
-"""The ar-compiled baseline (engine/compiled.py): the compiled step decodes what the engine's AR decodes."""
+"""The ar-compiled baseline (engine/capture/compiled.py): the compiled step decodes what the engine's AR decodes."""
 import os
 
 import pytest
 import torch
 
-from engine.attention import GQA_SWITCH, compiled_attention
-from engine.compiled import CompileError, CompiledAR, compile_available
+from engine.core.attention import GQA_SWITCH, compiled_attention
+from engine.capture.compiled import CompileError, CompiledAR, compile_available
 from engine.decoder import Decoder
-from engine.kernels import router_of
+from engine.core.kernels import router_of
 from engine.models import tiny_random_pair
-from engine.prompts import encode_prompt
-from engine.sampling import Sampling
+from engine.core.prompts import encode_prompt
+from engine.core.sampling import Sampling
 from engine.strategies import make_strategy
 
 PROMPT = "def f(x):\n    return"

@@ -1,18 +1,18 @@
-"""Measured costs (engine/costs.py) and the auto preset (engine/autosize.py): cache identity, predictions from a
+"""Measured costs (engine/measure/costs.py) and the auto preset (engine/measure/autosize.py): cache identity, predictions from a
 table, routing installed at load, predicted vs measured cost in every record, auto sizing as the table says."""
 import json
 
 import pytest
 import torch
 
-from engine import costs as costs_mod
-from engine.costs import CONTEXTS, LADDER, PREFIX, ModelCosts, PairCosts, interpolate, model_costs
-from engine.autosize import WINDOW, AutoSizer
+from engine.measure import costs as costs_mod
+from engine.measure.costs import CONTEXTS, LADDER, PREFIX, ModelCosts, PairCosts, interpolate, model_costs
+from engine.measure.autosize import WINDOW, AutoSizer
 from engine.decoder import Decoder
-from engine.kernels import router_of
+from engine.core.kernels import router_of
 from engine.models import load_pair, tiny_random_pair
 from engine.strategies import STRATEGIES, make_strategy
-from engine.trace import IterationCost, IterationRecord
+from engine.core.trace import IterationCost, IterationRecord
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +88,7 @@ def test_a_new_path_is_measured_alone_and_merged():
     measure = Counter()
     first = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
     assert measure.calls == [["plain", "packed"]] * (1 + len(CONTEXTS)) and first.measured
-    from engine.kernels import quantize_linears
+    from engine.core.kernels import quantize_linears
     quantize_linears(pair.draft, "int8")
     second = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
     assert measure.calls[-1] == ["int8"] and set(second.seconds) == {"plain", "packed", "int8"}
@@ -101,7 +101,7 @@ def test_a_table_cached_before_context_lengths_loads_and_gains_them():
     cpu = torch.device("cpu")
     key = costs_mod.table_key(model, "tiny", torch.float32, cpu)
     old = {p: {str(r): 0.5 for r in LADDER} for p in ("plain",)}
-    costs_mod._write_json(costs_mod._key_file(key), {"key": key, "seconds": old, "measured_at": 0, "busy": None})
+    costs_mod.write_json(costs_mod.table_file(key), {"key": key, "seconds": old, "measured_at": 0, "busy": None})
     measure = Counter()
     table_ = model_costs(model, "tiny", torch.float32, cpu, measure_fn=measure)
     assert table_.seconds == {"plain": {r: 0.5 for r in LADDER}}
@@ -189,7 +189,7 @@ def test_auto_preset_exists_for_every_strategy():
 
 
 def test_a_level_builder_prices_its_first_nodes_level_by_level():
-    from engine.autosize import Sample, predicted
+    from engine.measure.autosize import Sample, predicted
     # root 0 -> 1, 2; 1 -> 3, 4; 3 -> 5. Accepted path 1, 3, 5. Forwards made: root (3 rows with 2 pending), [1, 2],
     # [3, 4], [5].
     sample = Sample(parents=[-1, 0, 0, 1, 1, 3], depths=[0, 1, 1, 2, 2, 3], accepted=[1, 3, 5], first_rows=3,
@@ -225,7 +225,7 @@ def cost_record(index, draft, verify):
 
 
 def test_drift_leaves_out_the_prompt_iteration_and_warns_beyond_tolerance():
-    from engine.metrics import DRIFT_MIN_ITERATIONS, cost_drift, drift_warning
+    from engine.measure.metrics import DRIFT_MIN_ITERATIONS, cost_drift, drift_warning
     steady = [cost_record(0, 9.0, 9.0)] + [cost_record(i, 1.1, 0.9) for i in range(1, 6)]
     drift = cost_drift(steady)
     assert drift == {"draft": pytest.approx(1.1), "verify": pytest.approx(0.9), "iterations": 5}

@@ -13,11 +13,11 @@ import torch
 from chisq import chi_square_pvalue
 from test_sampling import ALPHA, V, compatible, first_two_counts, target_joint, tiny_v8_pair
 from engine.decoder import Decoder
-from engine.drafter import Drafter
+from engine.core.drafter import Drafter
 from engine.models import ModelLoadError, load_pair
 from engine.strategies import STRATEGIES, make_strategy
 from engine.verify import VERIFIERS
-from engine.vocab import TrimmedHead, build_table, draft_vocab_ids, frequency_table, tokenizer_fingerprint, trim_head
+from engine.models.vocab import TrimmedHead, build_table, draft_vocab_ids, frequency_table, tokenizer_fingerprint, trim_head
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_every_strategy_is_exact_with_a_cheap_draft(reference, options):
 
 
 def test_auto_quant_offers_both_paths_to_the_router_on_cpu_only(cache):
-    from engine.kernels import quantize_linears, router_of
+    from engine.core.kernels import quantize_linears, router_of
     pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="on", draft_quant="auto")
     assert pair.draft_quant == "auto"
     assert set(router_of(pair.draft).paths) == {"plain", "packed", "int8", "int4"}
@@ -83,7 +83,7 @@ def test_trimmed_draft_proposes_only_its_vocabulary(cache):
     assert drafted and drafted <= allowed
     # and q as every rule sees it: zero outside V′, a distribution over V′
     drafter = Drafter(pair.draft)
-    from engine.tree import DraftTree
+    from engine.core.tree import DraftTree
     tree = DraftTree(root_token=104)
     drafter.begin(tree, [104, 101, 108, 108, 104])
     with torch.inference_mode():
@@ -107,7 +107,7 @@ def test_frequency_table_built_from_python_sources_and_cached(cache):
 
 
 def test_committed_table_matches_its_tokenizer():
-    from engine.vocab import ASSETS
+    from engine.models.vocab import ASSETS
     files = list(ASSETS.glob("*.json"))
     assert files, "assets/vocab holds the default tokenizer's table (scripts/make_vocab_table.py)"
     for file in files:

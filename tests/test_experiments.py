@@ -20,7 +20,7 @@ def test_experiment_writes_table_and_figure(tmp_path, name):
 
 
 def test_mask_blocks_counts_tiles_of_the_ancestor_mask():
-    from engine.trace import IterationRecord, NodeRecord
+    from engine.core.trace import IterationRecord, NodeRecord
     chain = [NodeRecord(id=i, parent=i - 1, token=0, text="", depth=i, q=None, rank=None, path_q=None, p=None,
                         status="accepted") for i in range(4)]
     it = IterationRecord(index=0, position=0, nodes=chain, accepted_path=[0, 1, 2, 3], bonus_token=0, bonus_text="",

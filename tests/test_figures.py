@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.metrics import run_metrics
-from engine.trace import IterationRecord, NodeRecord, RunResult, load_run
+from engine.measure.metrics import run_metrics
+from engine.core.trace import IterationRecord, NodeRecord, RunResult, load_run
 from treeviz.charts import charts_figure, throughput_figure
 from treeviz.html import badge_html, metrics_html, token_pieces, tokens_html
 from treeviz.layout import children_map, tidy_layout
@@ -182,7 +182,7 @@ def test_tokens_html_escapes_and_marks_provenance():
 
 
 def make_run(its, tokens_per_s=10.0, comparison=None) -> RunResult:
-    """A RunResult over synthetic iterations, its metrics from engine.metrics (as the decoder computes them)."""
+    """A RunResult over synthetic iterations, its metrics from engine.measure.metrics (as the decoder computes them)."""
     new_tokens = 1 + sum(it.committed for it in its)
     return RunResult(prompt="p", prompt_ids=[1], output_ids=[0] * new_tokens, output_text="", strategy="x",
                      params={}, config={}, iterations=its, comparison=comparison,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.trace import SCHEMA_VERSION, load_run
+from engine.core.trace import SCHEMA_VERSION, load_run
 from scripts import make_gallery
 from treeviz.replay import TRACE_DIR, gallery_label, gallery_rank, gallery_traces
 from treeviz.views import RUN_OUTPUTS, render_views
@@ -58,7 +58,7 @@ def test_the_committed_gallery_is_real_small_and_replays():
     for path in paths:
         assert path.stat().st_size <= MAX_FILE_KB * 1024, path
         data = json.loads(path.read_text())
-        # written by this schema or an older one that engine.trace upgrades on load (schema 3 only moved the cost
+        # written by this schema or an older one that engine.core.trace upgrades on load (schema 3 only moved the cost
         # record out of `extra`): regenerate with `python -m scripts.make_gallery --pair default` to bring it current
         assert 1 <= data["schema_version"] <= SCHEMA_VERSION
         assert not str(data["config"]["target"]).startswith("tiny"), f"{path.name}: tiny traces belong to the tests"

@@ -1,5 +1,5 @@
 """The pieces a GPU run takes, checked on the CPU (and, with TREEVIZ_TEST_DEVICE=cuda, on captured CUDA graphs):
-AR at its fastest (engine/captured_ar.py) emits the engine's AR, token for token; the cost table measured through the
+AR at its fastest (engine/capture/captured_ar.py) emits the engine's AR, token for token; the cost table measured through the
 static steps; a pair's steps kept and reused across runs; the real-shape timing stand-ins (engine/models/shapes.py)
 have their published sizes; every strategy on graphed steps emits what the dynamic path emits.
 """
@@ -10,15 +10,15 @@ import os
 import pytest
 import torch
 
-from engine.bench import AR_CAPTURED, bench, run_method
-from engine.capture import measure_graphed
-from engine.costs import LADDER, model_costs
-from engine.captured_ar import CapturedAR
+from engine.bench.tables import AR_CAPTURED, bench, run_method
+from engine.capture.packages import measure_graphed
+from engine.measure.costs import LADDER, model_costs
+from engine.capture.captured_ar import CapturedAR
 from engine.models import load_pair, tiny_random_pair
 from engine.models.shapes import SHAPES, shape_config
-from engine.sampling import Sampling
+from engine.core.sampling import Sampling
 from engine.session import RunSpec, generate
-from engine.steps import GRAPH_CAPACITY_STEP, StaticSteps, graph_capacity, reuse_static
+from engine.core.steps import GRAPH_CAPACITY_STEP, StaticSteps, graph_capacity, reuse_static
 
 DEVICE = os.environ.get("TREEVIZ_TEST_DEVICE", "cpu")
 PROMPT = "def fib(n):\n    return"

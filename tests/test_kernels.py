@@ -1,13 +1,13 @@
-"""Kernel paths (engine/kernels.py): every path computes nn.Linear's numbers, routing follows the measured table,
+"""Kernel paths (engine/core/kernels.py): every path computes nn.Linear's numbers, routing follows the measured table,
 ties and saved state survive, decoding stays exact, refusals are clear."""
 import pytest
 import torch
 from torch import nn
 
-from engine import kernels
-from engine.costs import ModelCosts
+from engine.core import kernels
+from engine.measure.costs import ModelCosts
 from engine.decoder import Decoder
-from engine.kernels import (PackingError, Router, RoutedLinear, pack_linears, quantize_linears, route_linears,
+from engine.core.kernels import (PackingError, Router, RoutedLinear, pack_linears, quantize_linears, route_linears,
                             router_of, should_pack)
 from engine.models import ModelLoadError, load_pair, tiny_random_pair
 from engine.strategies import STRATEGIES, make_strategy

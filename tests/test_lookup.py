@@ -1,4 +1,4 @@
-"""Context lookup (engine/lookup.py, engine/strategies/lookup.py): the index against brute-force search, the trie
+"""Context lookup (engine/core/lookup.py, engine/strategies/lookup.py): the index against brute-force search, the trie
 builder, the strategy, exact losslessness proofs of the rules that accept lookup trees, and the refusals."""
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import random
 import pytest
 import torch
 
-import engine.lookup as lookup
+import engine.core.lookup as lookup
 from engine.decoder import Decoder
-from engine.lookup import LookupIndex, build_lookup_tree
+from engine.core.lookup import LookupIndex, build_lookup_tree
 from engine.models import tiny_random_pair
-from engine.prompts import PROMPT_SETS, load_prompt_set
-from engine.sampling import Sampling
+from engine.core.prompts import PROMPT_SETS, load_prompt_set
+from engine.core.sampling import Sampling
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
-from engine.tree import DraftTree
+from engine.core.tree import DraftTree
 from engine.verify import VERIFIERS, VerificationError, compatible_verifiers, make_verifier
 from exact import ROOT_TOKEN, WIDTH, ToyModel, emitted_law, max_error, outcomes
 
@@ -337,7 +337,7 @@ def test_lookup_decodes_exactly_like_ar(kind):
 
 # -- the transformers peer and the prompt set ----------------------------------------------------------------------
 def test_hf_prompt_lookup_matches_ar():
-    from engine.peers import hf_prompt_lookup
+    from engine.bench.peers import hf_prompt_lookup
     pair = tiny_random_pair(None, seed=0, dtype=torch.float32)
     reference = Decoder(pair, make_strategy("ar")).generate(PROMPT, max_new_tokens=40, stop_on_eos=False)
     out = hf_prompt_lookup(pair, PROMPT, 40, num_tokens=5, stop_on_eos=False)
@@ -409,7 +409,7 @@ def test_graft_attaches_under_the_root_and_below_the_best_leaf():
 
 
 def test_sources_survive_a_trace_round_trip_and_older_traces_read_as_model():
-    from engine.trace import SCHEMA_VERSION, run_from_dict
+    from engine.core.trace import SCHEMA_VERSION, run_from_dict
     pair = tiny_random_pair(None, seed=0, dtype=torch.float32)
     result = Decoder(pair, make_strategy("lookup", min_match=1)).generate(PROMPT, max_new_tokens=12,
                                                                            stop_on_eos=False)
@@ -432,7 +432,7 @@ def test_sources_survive_a_trace_round_trip_and_older_traces_read_as_model():
 # -- the gate: lookup alone where this run's record says it is faster ------------------------------------------------
 def synthetic_costs(draft_s: float):
     """A cost table where a target forward costs 1 s at any row count and a draft forward `draft_s`."""
-    from engine.costs import LADDER, ModelCosts, PairCosts
+    from engine.measure.costs import LADDER, ModelCosts, PairCosts
     return PairCosts(ModelCosts("t", {"plain": {r: 1.0 for r in LADDER}}),
                      ModelCosts("d", {"plain": {r: draft_s for r in LADDER}}))
 
@@ -490,7 +490,7 @@ def test_gated_graft_samples_reproducibly():
 
 
 def test_gate_leaves_out_lookup_rows_that_cost_more_than_they_return():
-    from engine.costs import LADDER, ModelCosts, PairCosts
+    from engine.measure.costs import LADDER, ModelCosts, PairCosts
     from engine.strategies.graft import LookupGate
     gate = LookupGate()
     assert gate.worth_grafting(2, 100.0)  # no record: graft, and learn

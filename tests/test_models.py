@@ -14,7 +14,7 @@ import torch
 
 from engine import models
 from engine.models import devices, packaged
-from engine.runtime import cache_dir
+from engine.core.runtime import cache_dir
 from engine.models import (
     PAIRS,
     ModelLoadError,
@@ -88,7 +88,7 @@ def test_tiny_pair_builds_fast_and_is_sane():
     assert time.perf_counter() - t0 < 1.0
     assert pair.draft is not None and pair.draft is not pair.target
     assert not pair.target.training and not pair.draft.training
-    assert pair.target.config._attn_implementation == "tree_sdpa"  # sdpa, grouped heads folded (engine/attention.py)
+    assert pair.target.config._attn_implementation == "tree_sdpa"  # sdpa, grouped heads folded (engine/core/attention.py)
     assert pair.target.dtype == torch.float32 and pair.device == torch.device("cpu")
     assert pair.target.config.vocab_size == len(pair.tokenizer)
     assert pair.eos_token_ids == [pair.tokenizer.convert_tokens_to_ids("<|endoftext|>"),

@@ -15,7 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from chisq import chi_square_pvalue
 from engine.decoder import Decoder
 from engine.models import ModelPair
-from engine.sampling import Sampling, SamplingError
+from engine.core.sampling import Sampling, SamplingError
 from engine.strategies import STRATEGIES, make_strategy
 from engine.verify import VERIFIERS, VerificationError, make_verifier
 from engine.verify.base import TopDown

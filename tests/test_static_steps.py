@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-from engine import kv
-from engine.costs import ModelCosts, PairCosts
+from engine.core import kv
+from engine.measure.costs import ModelCosts, PairCosts
 from engine.models import tiny_random_model
-from engine.steps import (DynamicSteps, StaticSteps, StepsError, capacity, choose_buckets, default_buckets,
+from engine.core.steps import (DynamicSteps, StaticSteps, StepsError, capacity, choose_buckets, default_buckets,
                           make_steps)
 
 DEVICE = os.environ.get("TREEVIZ_TEST_DEVICE", "cpu")
@@ -193,7 +193,7 @@ def test_the_hidden_rows_are_the_real_ones_when_padded(model):
 def real_shape_model(dtype: torch.dtype, seed: int = 0, vocab: int = 520):
     """One layer of Qwen2.5-0.5B's attention shape (7 query heads per key/value head, head_dim 128) at a small
     width; bf16 where the test says so."""
-    from engine.attention import use_tree_sdpa
+    from engine.core.attention import use_tree_sdpa
     from engine.models import tiny_config
     config = tiny_config(vocab_size=vocab, num_layers=1, hidden_size=896, intermediate_size=512,
                          num_attention_heads=7, num_key_value_heads=1)
@@ -322,7 +322,7 @@ def strategy_names():
 @pytest.mark.parametrize("name", strategy_names())
 def test_decoder_on_static_steps_emits_what_dynamic_emits(related_pair, name, temperature):
     """Every strategy, greedy and seeded sampling: the same tokens and the same acceptance, iteration by iteration."""
-    from engine.sampling import Sampling
+    from engine.core.sampling import Sampling
     sampling = Sampling(temperature=temperature, seed=7)
     related_pair.static_steps.clear()  # the pair keeps its steps across runs: start from none
     dynamic, _ = decode(related_pair, name, "dynamic", sampling)

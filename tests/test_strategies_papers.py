@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from engine.decoder import Decoder
-from engine.drafter import Drafter
+from engine.core.drafter import Drafter
 from engine.models import tiny_random_pair
-from engine.sampling import Sampling
+from engine.core.sampling import Sampling
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
 from engine.strategies.ddtree import best_first_prefixes
 from engine.strategies.dyspec import dfs_order
-from engine.trace import BONUS, ROOT
-from engine.tree import DraftTree
+from engine.core.trace import BONUS, ROOT
+from engine.core.tree import DraftTree
 from engine.verify import VerificationError, make_verifier
 
 PAPER = ["dyspec", "salf", "eagle2", "ddtree", "delayed"]

@@ -1,4 +1,4 @@
-"""TALF (engine/talf.py): the one-forward tree loss against a per-node brute force, training, and loading drafts."""
+"""TALF (engine/training/talf.py): the one-forward tree loss against a per-node brute force, training, and loading drafts."""
 import copy
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from engine.decoder import Decoder
 from engine.models import load_pair, tiny_random_model, tiny_random_pair, tiny_tokenizer
 from engine.strategies import STRATEGIES, make_strategy
-from engine.talf import (TalfError, add_lora, load_adapter, node_path, soft_cross_entropy, target_tree_batch,
+from engine.training.talf import (TalfError, add_lora, load_adapter, node_path, soft_cross_entropy, target_tree_batch,
                          tree_loss)
 
 K, DEPTH, TOPK = 3, 3, 8
@@ -235,7 +235,7 @@ def test_tiny_experiment_writes_table_and_figure(tmp_path):
 
 
 def test_adapter_onto_routed_linears_is_refused_with_a_message(tmp_path):
-    from engine.kernels import route_linears
+    from engine.core.kernels import route_linears
     base = tiny_random_model(5, num_layers=2)
     add_lora(copy.deepcopy(base), rank=2).save_pretrained(str(tmp_path))
     route_linears(base)  # what kernel preparation does to a loaded pair

@@ -55,7 +55,7 @@ def test_run_prompt_gives_tree_and_metrics(client):
     trace = json.loads(Path(out[DOWNLOAD]).read_text())
     assert f"L̄ = {trace['metrics']['mean_tokens_per_iter']:.2f} (run)" in names  # the engine's L̄, not a re-count
     assert len(plot_data(out[THROUGHPUT])["data"][0]["x"]) == 2  # the run beside AR, same session
-    trace = json.loads(Path(out[DOWNLOAD]).read_text())  # downloadable trace replays with engine.trace
+    trace = json.loads(Path(out[DOWNLOAD]).read_text())  # downloadable trace replays with engine.core.trace
     assert trace["schema_version"] and trace["iterations"] and trace["comparison"]["exact_match"] is True
     assert backend().pairs.loaded_name == "tiny-random"
     # the teaching panels come with every finished run
@@ -109,7 +109,7 @@ def test_a_throttled_stream_still_delivers_every_iteration(monkeypatch):
     from functools import partial
 
     from engine.session import RunSpec
-    from engine.trace import load_run
+    from engine.core.trace import load_run
     from treeviz import handlers
     from treeviz.throttle import UpdateThrottle
 
@@ -306,9 +306,9 @@ def test_preset_and_example_update_controls(client):
 
 
 def test_examples_fall_back_when_prompt_files_are_missing(tmp_path, monkeypatch):
-    import engine.prompts
+    import engine.core.prompts
     import treeviz.ui as ui
-    monkeypatch.setattr(engine.prompts, "PROMPT_DIR", tmp_path)
+    monkeypatch.setattr(engine.core.prompts, "PROMPT_DIR", tmp_path)
     assert ui.load_examples() == ui.FALLBACK_PROMPTS
     (tmp_path / "code.json").write_text("{broken")
     assert ui.load_examples() == ui.FALLBACK_PROMPTS

@@ -1,6 +1,6 @@
 """What the app's run path needs from the engine: a DecodeRun that can be resumed on a different thread at every
 step (Gradio runs each step of a sync generator handler in a worker thread) and still decodes exactly, and a partial
-RunResult snapshot whose numbers are engine.metrics' over the iterations so far."""
+RunResult snapshot whose numbers are engine.measure.metrics' over the iterations so far."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.decoder import Decoder
-from engine.metrics import compare_outputs, run_metrics
+from engine.measure.metrics import compare_outputs, run_metrics
 from engine.models import tiny_random_pair
 from engine.strategies import make_strategy
 

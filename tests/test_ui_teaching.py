@@ -54,10 +54,10 @@ def test_race_two_lanes_winner_and_lane_times_are_decode_times(client):
     assert [lane["label"] for lane in lanes] == ["AR", "dynatree"]
     assert summary["winner"] in ("AR", "dynatree") and summary["ar_reused"] is False
     ar, tree = lanes
-    for lane in lanes:  # the lane times shown are the runs' measured decode times (engine.metrics's total_s)
+    for lane in lanes:  # the lane times shown are the runs' measured decode times (engine.measure.metrics's total_s)
         assert lane["tokens"] == ar["tokens"] > 1 and lane["matches_ar"] is True
         assert lane["decode_s"] == pytest.approx(lane["tokens"] / lane["tokens_per_s"], rel=0.05)
-        # the replay's last token lands at the measured decode time (engine.timeline spreads the loop's bookkeeping)
+        # the replay's last token lands at the measured decode time (engine.measure.timeline spreads the loop's bookkeeping)
         assert lane["finish_s"] == pytest.approx(lane["decode_s"], rel=0.05), lane
     assert tree["speedup_vs_ar"] == pytest.approx(ar["decode_s"] / tree["decode_s"], rel=0.05)
     assert "fair measurement" in status and "AR measured fresh" in status and "winner" in status
@@ -134,7 +134,7 @@ def test_stop_ends_a_sweep_and_the_pair_stays_usable(client):
 
 # -- the record-only panels: a gallery trace, no model -------------------------------------------------------------
 def test_step_through_histogram_entropy_and_html_from_a_gallery_trace(tmp_path):
-    from engine.trace import load_run
+    from engine.core.trace import load_run
     from treeviz.teaching_ui import download_html, iteration_panels, shown_tree
     run = load_run(GALLERY)
     index = next(i for i, it in enumerate(run.iterations) if it.accepted and it.drafted > it.accepted)
@@ -162,7 +162,7 @@ def test_the_steps_after_a_run_stand_aside_while_a_newer_run_of_the_session_deco
     metrics ended on an earlier method). Another session's run, or a race of this session, does not hold them."""
     from types import SimpleNamespace
 
-    from engine.trace import load_run
+    from engine.core.trace import load_run
     from treeviz.runs import BACKEND, request_key
     from treeviz.teaching_ui import panels_after_run
     from treeviz.ui import show_after_run

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.strategies import make_strategy
-from engine.tree import DraftTree
+from engine.core.tree import DraftTree
 from engine.verify import VERIFIERS, VerificationError, compatible_verifiers, make_verifier, theory
 from engine.verify.specinfer import SpecInfer
 from exact import ROOT_TOKEN, FakeDrafter, ToyModel, emitted_law, max_error, outcomes

@@ -7,9 +7,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.metrics import compare_outputs
+from engine.measure.metrics import compare_outputs
 from engine.session import RunSpec
-from engine.trace import RunResult
+from engine.core.trace import RunResult
 
 
 @dataclass

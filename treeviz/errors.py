@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from engine.decoder import PromptError
 from engine.models import ModelLoadError
-from engine.sampling import SamplingError
+from engine.core.sampling import SamplingError
 from engine.strategies.base import StrategyError
-from engine.trace import TraceError
+from engine.core.trace import TraceError
 from engine.verify import VerificationError
 
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from engine.trace import IterationRecord, RunResult
+from engine.core.trace import IterationRecord, RunResult
 from treeviz.race import NOTE, race_figure
 from treeviz.stepthrough import stepthrough_figure, teaching_iteration
 from treeviz.tree_figure import label_chars, run_frame, tree_figure, tree_traces

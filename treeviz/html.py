@@ -8,7 +8,7 @@ import time
 import unicodedata
 from typing import Any
 
-from engine.trace import RunResult
+from engine.core.trace import RunResult
 
 WHITESPACE = {" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"}
 TOKEN_KIND_STYLE = {  # generated-text provenance
@@ -183,7 +183,7 @@ SOURCE_NAMES = {"model": "draft", "lookup": "lookup", "both": "draft + lookup"}
 
 
 def source_cells(by_source: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
-    """Acceptance per proposing source (engine/metrics.py), as (label, "rate (accepted/drafted)") cells: only when the
+    """Acceptance per proposing source (engine/measure/metrics.py), as (label, "rate (accepted/drafted)") cells: only when the
     run has lookup nodes (a draft-only run's single source repeats the acceptance cell)."""
     if not set(by_source) & {"lookup", "both"}:
         return []

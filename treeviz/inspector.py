@@ -13,7 +13,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, IterationRecord, NodeRecord, RunResult
+from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, IterationRecord, NodeRecord, RunResult
 from treeviz.html import visible_token
 from treeviz.tree_figure import STATUS_STYLE, node_status
 

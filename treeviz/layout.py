@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from engine.trace import NodeRecord
+from engine.core.trace import NodeRecord
 
 
 def sibling_key(node: NodeRecord) -> tuple:

@@ -8,9 +8,10 @@ import threading
 import traceback
 from typing import Any
 
-from engine.capture import build_request, missing, prepare_capture, start_builder
+from engine.capture.packages import missing, prepare_capture
+from engine.models.builder import build_request, start_builder
 from engine.models import PAIRS, load_pair
-from engine.runtime import cache_dir
+from engine.core.runtime import cache_dir
 from engine.session import AR, RunSpec, split_pair, start_run
 from treeviz.compute_thread import COMPUTE
 from treeviz.errors import UserError, friendly_error
@@ -44,7 +45,7 @@ class PairManager:
     """Holds at most one loaded pair; loads in a background thread; `run_lock` serialises decoding on it."""
 
     def __init__(self, capture: str | None = None):
-        # captured steps (engine/capture.py): auto | on | off; TREEVIZ_CAPTURE or app.py --capture sets it
+        # captured steps (engine/capture/packages.py): auto | on | off; TREEVIZ_CAPTURE or app.py --capture sets it
         self.capture_mode = capture or os.environ.get("TREEVIZ_CAPTURE", "auto")
         self.name: str | None = None       # the pair requested last
         self.pair = None                   # loaded ModelPair for self.loaded_name
@@ -107,7 +108,7 @@ class PairManager:
         # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration, no warm-up, no capture there.
         zero_gpu = on_zero_gpu()
         # draft_quant="auto": the draft's int8 / int4 paths where the table measures them faster (CPU only).
-        # capture="auto": on a CPU, each model's forwards compiled ahead of time (engine/capture.py), once per
+        # capture="auto": on a CPU, each model's forwards compiled ahead of time (engine/capture/packages.py), once per
         # machine; until they exist, runs decode eagerly and the packages are built in another process.
         pair = load_pair(target, draft, device=device, progress=progress, calibrate=not zero_gpu,
                          draft_quant="auto", capture="off" if zero_gpu else self.capture_mode)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.trace import RunResult, TraceError, load_run
+from engine.core.trace import RunResult, TraceError, load_run
 from treeviz.views import last_index, outputs, render_views, status_html
 
 ROOT = Path(__file__).resolve().parent.parent

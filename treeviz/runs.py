@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Generator, Iterator
 
 from engine.session import AR, RunSpec, start_run
-from engine.trace import RunResult
+from engine.core.trace import RunResult
 from treeviz.ar_cache import ARCache, Baseline, attach_comparison
 from treeviz.compute_thread import COMPUTE
 from treeviz.pairs import PairManager

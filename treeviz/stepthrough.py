@@ -12,7 +12,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from engine.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, IterationRecord, NodeRecord, RunResult
+from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, IterationRecord, NodeRecord, RunResult
 from treeviz.html import visible_token
 from treeviz.inspector import reason
 from treeviz.tree_figure import (COLORSCALE, EDGE_STYLE, LABEL_FONT, LABEL_HALO, Q_RANGE, STATUS_STYLE, UNSCORED_FILL,

@@ -4,7 +4,7 @@
 The race decodes AR and each strategy UNOBSERVED (`Backend.iterate(stream=False)`: nothing is drawn while they run,
 only a status line), back to back in one request, AR measured fresh (never taken from the AR cache), so its speedups
 are the app's fair measurement; treeviz/race.py replays the runs from their measured timestamps. The sweep runs
-engine.sweep (one strategy at several sizes of its size knob, plus AR), the session's Stop flag as its cancel.
+engine.bench.sweep (one strategy at several sizes of its size knob, plus AR), the session's Stop flag as its cancel.
 
 Race outputs: RACE_OUTPUTS (the runs as state, the race figure, a status line, the summary as JSON); Sweep outputs:
 SWEEP_OUTPUTS (the sweep figure, a status line, the sweep as JSON). API callers read the last value.
@@ -18,7 +18,7 @@ import gradio as gr
 
 from engine.session import AR, WARM_UP_TOKENS, RunSpec, check_spec
 from engine.strategies import STRATEGIES
-from engine.sweep import MAX_POINTS, run_sweep, size_param, size_values
+from engine.bench.sweep import MAX_POINTS, run_sweep, size_param, size_values
 from treeviz.ar_cache import attach_comparison
 from treeviz.errors import USER_FACING
 from treeviz.gpu import GPU_SECONDS_MAX, gpu
@@ -154,7 +154,7 @@ def race_status_html(summary: dict[str, Any]) -> str:
 
 # -- the sweep -------------------------------------------------------------------------------------------------------
 def sweep_values(spec: RunSpec, size_min: Any, size_max: Any, points: Any) -> list[int]:
-    """The sizes to sweep (blank min / max: engine.sweep's default range); gr.Error for an unknown strategy, one
+    """The sizes to sweep (blank min / max: engine.bench.sweep's default range); gr.Error for an unknown strategy, one
     without a size knob, an empty or out-of-range range, or a sweep too large for this machine."""
     try:
         size_param(spec.strategy)  # unknown strategy, or one without a size knob: its own plain message
@@ -228,6 +228,6 @@ def sweep_status_html(event: dict[str, Any]) -> str:
 
 
 def sweep_json(event: dict[str, Any]) -> dict[str, Any]:
-    """The sweep as /sweep returns it: engine.sweep's data, with whether it was complete or cached."""
+    """The sweep as /sweep returns it: engine.bench.sweep's data, with whether it was complete or cached."""
     return {**event["sweep"], "complete": bool(event.get("complete")), "cached": bool(event.get("cached")),
             "runs": event["total"]}

@@ -1,7 +1,7 @@
 """The draft tree as a Plotly figure: one iteration's tree (root at the left, depth to the right, outcome as shape,
 draft q as fill), the frame that keeps it still while scrubbing or streaming, and Compare's small multiples.
 
-Only engine.trace records go in (NodeRecord / IterationRecord); no tensors, no models.
+Only engine.core.trace records go in (NodeRecord / IterationRecord); no tensors, no models.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.trace import IterationRecord, NodeRecord
+from engine.core.trace import IterationRecord, NodeRecord
 from treeviz.html import visible_token
 from treeviz.layout import extent, tidy_layout
 
@@ -245,7 +245,7 @@ def _coloraxis(show_scale: bool = True) -> dict[str, Any]:
 
 
 def selector_caption(choice: dict | None) -> str:
-    """What the delayed tree's neural selector chose for this iteration (engine/selector.py), or nothing."""
+    """What the delayed tree's neural selector chose for this iteration (engine/strategies/selector.py), or nothing."""
     if not choice:
         return ""
     text = f"<br>selector chose (K, L1, L2) = ({choice['k']}, {choice['l1']}, {choice['l2']})"

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from engine.prompts import PROMPT_SETS, load_prompt_set
+from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.strategies import STRATEGIES
 from engine.verify import VERIFIERS
 from treeviz import handlers, teaching_ui
@@ -50,7 +50,7 @@ def static_text(name: str) -> str:
 
 # -- data helpers ------------------------------------------------------------------------------------------------------
 def load_examples() -> list[dict]:
-    """The shipped prompt sets (engine.prompts), entries without a prompt left out; a few built-in ones if none load."""
+    """The shipped prompt sets (engine.core.prompts), entries without a prompt left out; a few built-in ones if none load."""
     entries = []
     for kind in PROMPT_SETS:
         try:

@@ -13,7 +13,7 @@ from typing import Any
 
 import gradio as gr
 
-from engine.trace import RunResult
+from engine.core.trace import RunResult
 from treeviz.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
 from treeviz.html import badge_html, metrics_html, metrics_rows, tokens_html
 from treeviz.inspector import inspect

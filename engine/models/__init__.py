@@ -6,7 +6,10 @@
   packaged.py  the offline default pair: GGUF chunks in pip packages -> verified .gguf -> cached safetensors
   loading.py   one model from a spec, and `load_pair`, which loads, checks, prepares kernels and measures costs
   progress.py  the progress callback that slow loads share
+  vocab.py     the draft's trimmed vocabulary head (`--draft-vocab`)
+  builder.py   the process that compiles a pair's missing captured steps (`python -m engine.models.builder`)
 
+May import: training (adapters), capture, measure and the core (contract `engine-rooms`).
 Import from here: `from engine.models import load_pair, ModelPair, tiny_random_pair`.
 """
 from engine.models.devices import resolve_device, resolve_dtype

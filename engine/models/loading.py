@@ -15,7 +15,7 @@ Model specs (either side):
   a directory              a saved Hugging Face causal LM (config.json, weights, tokenizer).
   a path ending in .gguf   loaded (dequantised) through transformers' GGUF support.
   a hub id                 e.g. "EleutherAI/pythia-70m"; needs network access.
-  SPEC+talf:PATH           SPEC with the TALF LoRA adapter in folder PATH merged in (engine/talf.py), e.g.
+  SPEC+talf:PATH           SPEC with the TALF LoRA adapter in folder PATH merged in (engine/training/talf.py), e.g.
                            --draft default+talf:~/talf-adapter.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerBase
 
-from engine.costs import calibrate_pair, measure
-from engine.kernels import (PackingError, check_quant_mode, pack_linears, packed_dtype, quantize_linears,
+from engine.measure.costs import calibrate_pair, measure
+from engine.core.kernels import (PackingError, check_quant_mode, pack_linears, packed_dtype, quantize_linears,
                             route_linears, should_pack)
 from engine.models.devices import cpu_has_fast_bf16, resolve_device, resolve_dtype
 from engine.models.packaged import (LOAD_WORK, PACKAGED, preparation_work, prepared_model_dir,
@@ -37,9 +37,9 @@ from engine.models.progress import Progress, say, span
 from engine.models.shapes import is_shape_spec, load_shape
 from engine.models.tiny import is_tiny_spec, load_tiny
 from engine.models.widths import match_draft_width
-from engine.attention import use_tree_sdpa
-from engine.capture import capture_backend, measure_graphed
-from engine.vocab import VocabError, draft_vocab_ids, parse_draft_vocab, trim_head
+from engine.core.attention import use_tree_sdpa
+from engine.capture.packages import capture_backend, measure_graphed
+from engine.models.vocab import VocabError, draft_vocab_ids, parse_draft_vocab, trim_head
 
 
 def _same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
@@ -176,7 +176,7 @@ def _load_with_adapter(base: str, adapter: str, *, role: str, **load):
     if not adapter.strip():
         raise ModelLoadError(f"'{base}{TALF_SUFFIX}' names no adapter folder: write {base}{TALF_SUFFIX}PATH")
     model, tok, name = load_model(base, role=role, **load)
-    from engine.talf import TalfError, load_adapter
+    from engine.training.talf import TalfError, load_adapter
     try:
         model = load_adapter(model, adapter.strip())
     except ImportError as err:
@@ -202,14 +202,14 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
               capture: str = "off") -> ModelPair:
     """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
 
-    packed: "auto" | "on" | "off" -- give CPU linears a pre-packed oneDNN path (engine/kernels.py); "auto" does it
+    packed: "auto" | "on" | "off" -- give CPU linears a pre-packed oneDNN path (engine/core/kernels.py); "auto" does it
     on CPU in fp32 (or bf16 with native bf16) when the extra copy of the weights fits in free memory.
-    draft_vocab: None / "full" or N -- the draft scores only the N most frequent tokens (engine/vocab.py).
+    draft_vocab: None / "full" or N -- the draft scores only the N most frequent tokens (engine/models/vocab.py).
     draft_quant: "none" | "int8" | "int4" | "auto" -- give the draft's linears weight-only quantised paths (CPU;
     "auto": both, and nothing on other devices), used at the row counts where the cost table measured them faster.
     calibrate: measure (or read from the disk cache) each model's forward cost per row count and path, and route
-    every call to its fastest path (engine/costs.py); recalibrate measures again.
-    capture: "auto" | "on" | "off" -- whether runs on this pair take captured steps (engine/capture.py): CPU packages
+    every call to its fastest path (engine/measure/costs.py); recalibrate measures again.
+    capture: "auto" | "on" | "off" -- whether runs on this pair take captured steps (engine/capture/packages.py): CPU packages
     compiled ahead of time (built and measured by `prepare_capture`, which the caller runs when it suits it: the app
     in the background), or CUDA graphs (only with "on" until a GPU run validates them; the cost table is then measured
     on the graphed steps). Default "off".
@@ -232,7 +232,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
         check_same_vocab(t_model, t_tok, t_name, d_model, d_tok, d_name)
     for model in (t_model, d_model):
         if model is not None:
-            use_tree_sdpa(model)  # tree masks without repeating grouped key/value heads (engine/attention.py)
+            use_tree_sdpa(model)  # tree masks without repeating grouped key/value heads (engine/core/attention.py)
     pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, capture=capture_backend(capture, device))
     try:
         prepare_kernels(pair, packed, draft_vocab, draft_quant, progress)

@@ -1,4 +1,9 @@
-"""Tree strategies, one module each, all behind `engine.strategies.base.Strategy`."""
+"""Tree strategies, one module each, all behind `engine.strategies.base.Strategy`.
+
+Besides the strategies: base.py (the interface and `Param`), sizing.py (the size knobs `auto` turns), graft.py
+(lookup drafts grafted onto a model strategy), selector.py (the delayed tree's neural selector at decode time).
+May import: verification rules and the core (contract `engine-rooms`).
+"""
 from engine.strategies.ar import Autoregressive
 from engine.strategies.base import Param, Strategy, StrategyError
 from engine.strategies.ddtree import DDTree

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.drafter import Drafter
+from engine.core.drafter import Drafter
 from engine.strategies.sizing import Sample, SizeCost, by_levels
-from engine.tree import DraftTree
+from engine.core.tree import DraftTree
 
 
 class StrategyError(ValueError):
@@ -63,7 +63,7 @@ class Strategy:
     summary: ClassVar[str]
     params: ClassVar[tuple[Param, ...]] = ()
     presets: ClassVar[dict[str, dict[str, Any]]] = {}  # "cpu" (default values), "paper", "auto"
-    # The size knob the "auto" preset tunes per iteration from measured costs (engine/autosize.py); None: the
+    # The size knob the "auto" preset tunes per iteration from measured costs (engine/measure/autosize.py); None: the
     # strategy has no single size knob and "auto" runs its starting values unchanged.
     auto_param: ClassVar[str | None] = None
     uses_draft: ClassVar[bool] = True
@@ -142,7 +142,7 @@ class Strategy:
         """Called before each `build` when `uses_context`: every committed token so far (prompt + generated, ending
         with the next tree's root), the width and device of the target's logits rows (a draft distribution the
         strategy records must match them: the sampling rules compare it with p), and the pair's measured cost table
-        (engine/costs.py PairCosts; None when the pair has none)."""
+        (engine/measure/costs.py PairCosts; None when the pair has none)."""
 
     def sizes(self) -> range:
         """The values of the size knob `resize` accepts, as the `auto` sizer may try them (none without a knob)."""

@@ -14,13 +14,13 @@ With `without_replacement` the K branch tokens at a node are distinct instead: t
 earlier siblings' tokens removed and renormalised (child mode "without_replacement", for SpecInfer's
 without-replacement variant; rules that need i.i.d. children refuse it).
 With `neural_selector` (the paper's §6) the shape is chosen per iteration, right after the draft's root forward
-(which every shape begins with), by the trained selector of the run's rule family (engine/selector.py,
+(which every shape begins with), by the trained selector of the run's rule family (engine/strategies/selector.py,
 assets/selector/); K, L1, L2 are then ignored. The choice and its predicted tokens/s go to the iteration's
 `extra["selector"]`, the shape also to its params. Losslessness never depends on it: every choice is a delayed tree.
 """
 import torch
 
-from engine import selector as neural
+from engine.strategies import selector as neural
 from engine.strategies.base import Param, Strategy, StrategyError
 
 
@@ -29,7 +29,7 @@ class Delayed(Strategy):
     label = "Delayed tree expansion"
     summary = "A trunk of L1 draft tokens, then K i.i.d. sampled draft paths of L2 tokens from its end."
     child_mode = "iid"  # per instance: "without_replacement" when that option is on
-    # A trained engine.selector.Selector; None: the shipped one of the run's rule, loaded at the first choice. A
+    # A trained engine.strategies.selector.Selector; None: the shipped one of the run's rule, loaded at the first choice. A
     # caller (a test, an evaluation) may set its own; reset() between runs keeps it.
     selector: neural.Selector | None = None
     params = (
@@ -53,7 +53,7 @@ class Delayed(Strategy):
 
     def check(self) -> None:
         c = self.config
-        self.wants_features = c["neural_selector"]  # the decoder then exposes hidden states (engine/selector.py)
+        self.wants_features = c["neural_selector"]  # the decoder then exposes hidden states (engine/strategies/selector.py)
         if c["neural_selector"] and c["without_replacement"]:
             raise StrategyError("the neural selector was trained on i.i.d. branches: turn off without_replacement")
         if c["l1"] + c["l2"] == 0 and not c["neural_selector"]:

@@ -1,5 +1,5 @@
 """Context lookup: no draft model. The tree is a trie of what followed the recent tokens earlier in the prompt and
-the generated text (engine/lookup.py), so a draft costs a dict lookup and works on a target-only pair.
+the generated text (engine/core/lookup.py), so a draft costs a dict lookup and works on a target-only pair.
 
 Lookup proposals are deterministic given the committed context: children are "topk" (each a draw from the point mass
 on its token), which greedy, token matching / NSS, NaiveTree, SpecInfer and Traversal check losslessly at any
@@ -9,7 +9,7 @@ one continuation of up to 10 tokens, matches of 3 tokens down to 1.
 """
 import time
 
-from engine.lookup import LookupIndex, build_lookup_tree, follow
+from engine.core.lookup import LookupIndex, build_lookup_tree, follow
 from engine.strategies.base import Param, Strategy, StrategyError
 
 

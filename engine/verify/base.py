@@ -2,7 +2,7 @@
 
 A rule walks the draft tree with the target's logits (one row per tree node, in node order: row i holds the target's
 next-token logits after node i) and returns the accepted path and the bonus token. Sampling rules see the target's
-processed distributions p (same temperature / top-k / top-p as the draft's q, see engine/sampling.py) through
+processed distributions p (same temperature / top-k / top-p as the draft's q, see engine/core/sampling.py) through
 `TargetDists`, which processes only the rows a rule visits, and draw every random number from one seeded
 torch.Generator, so a run is reproducible.
 
@@ -24,7 +24,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from engine.tree import DraftTree
+from engine.core.tree import DraftTree
 
 MODES = ("topk", "iid", "without_replacement")
 TINY = 1e-12
@@ -153,7 +153,7 @@ class Verifier:
 
     def verify(self, tree: DraftTree, logits: torch.Tensor, sampling=None,
                generator: torch.Generator | None = None) -> Verdict:
-        """Verify `tree` against the target's logits [len(tree), V] under `sampling` (engine.sampling.Sampling;
+        """Verify `tree` against the target's logits [len(tree), V] under `sampling` (engine.core.sampling.Sampling;
         None: plain softmax), drawing random numbers from `generator`."""
         self.check_tree(tree)
         process = sampling.process if sampling is not None else softmax

@@ -24,7 +24,7 @@ copies of the node, the same number to each copy. i.i.d. draws are exchangeable,
 distributed exactly as if each copy had drawn its own children. Trees whose copies cannot hold equal shares are
 refused.
 """
-from engine.tree import DraftTree
+from engine.core.tree import DraftTree
 from engine.verify.base import MODES, Verdict, Verifier, VerificationError, child_draws, residual
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.tree import DraftTree
+from engine.core.tree import DraftTree
 
 SCAN = 256  # occurrences read per match length (the most recent ones): bounds a query on long, repetitive streams
 

@@ -12,12 +12,12 @@ None means causal. After `forward` the n rows are cached (`length` grew by n) un
 are copied to positions start.., length = start + len(rows).
 
 DynamicSteps is the eager path: a transformers DynamicCache that grows by concatenation, an additive mask over
-exactly the cached columns, rollback by row copy then crop (engine/kv.py).
+exactly the cached columns, rollback by row copy then crop (engine/core/kv.py).
 
 StaticSteps preallocates the cache (`max_len` positions) and runs each forward on one of three routes:
-  captured  a CPU package compiled ahead of time (engine/aoti.py, through `captured`, the model's CapturedModel):
+  captured  a CPU package compiled ahead of time (engine/capture/aoti.py, through `captured`, the model's CapturedModel):
             exactly n rows, or padded to its bucket;
-  graphed   a CUDA graph of the bucket's forward (engine/cuda_graphs.py), replayed after the inputs are copied in;
+  graphed   a CUDA graph of the bucket's forward (engine/core/cuda_graphs.py), replayed after the inputs are copied in;
   eager     the model called on the static cache, padded to its bucket where one holds it (so CPU tests exercise
             what graphs replay), at its own size beyond every bucket (a prefill, the draft's first forward).
 Padded rows repeat the last token at the last position and each sees only its own column; their outputs never leave.
@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import kv
-from engine.costs import LADDER
-from engine.cuda_graphs import CudaGraphs
+from engine.core import kv
+from engine.core.cuda_graphs import CudaGraphs
+
+LADDER = (1, 2, 4, 8, 16, 32, 64)  # the row counts forwards are measured and captured at (buckets come from it)
 
 BUCKET_SLACK = 0.10  # a row count may pay up to 10 % over its own measured cost for padding to a shared bucket
 # Graphed caches are reused across runs while long enough, so they are sized in whole steps of this many positions:
@@ -159,7 +160,7 @@ class Route:
 class StaticSteps:
     """A preallocated cache of `max_len` positions; forwards routed as the module docstring says.
 
-    `captured`: the model's CapturedModel (engine/capture.py), whose packages take any cache; `graphs`: capture a
+    `captured`: the model's CapturedModel (engine/capture/packages.py), whose packages take any cache; `graphs`: capture a
     CUDA graph per bucket on this object's own tensors. A forward that would not fit grows the cache (double, or
     what it needs): a new allocation, the valid rows copied over, graphs captured again -- correct but slow, so size
     `max_len` for the run (`capacity`)."""

@@ -7,7 +7,7 @@ Each node n the target expanded carries the target's next-token distribution p_c
     L = sum over roots, sum over the root's expanded nodes n of  CE(p_child(n), q_child(n))
 
 and all nodes of all trees of a sequence go through the draft in ONE forward with tree attention: the sequence rows
-are causal, and a tree node sees its root's prefix, its ancestors and itself (engine/kv.py's additive masks), at
+are causal, and a tree node sees its root's prefix, its ancestors and itself (engine/core/kv.py's additive masks), at
 position = position of its root + depth (ARCHITECTURE.md). With depth 3 and k = 4 (the paper's values) a root gets
 1 + 4 + 4 = 9 loss nodes; depth 1 is plain token-level distillation on the sequence (the baseline), and k = 1 walks
 the target's greedy path (close to HASS, as the paper notes).
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engine import kv
+from engine.core import kv
 
 
 class TalfError(ValueError):

@@ -1,5 +1,5 @@
 """Teaching numbers read back from a finished run's records: when each output token appeared, how many draft tokens
-each iteration accepted, and how unsure the draft was where it branched. Pure Python over engine.trace records (no
+each iteration accepted, and how unsure the draft was where it branched. Pure Python over engine.core.trace records (no
 tensors, no models), so a gallery trace gives them with nothing loaded.
 
 Times are the run's own measurements: the first token appears at the run's TTFT (the prefill), and every later
@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.metrics import compare_outputs
-from engine.trace import IterationRecord, NodeRecord, RunResult
+from engine.measure.metrics import compare_outputs
+from engine.core.trace import IterationRecord, NodeRecord, RunResult
 
 PREFILL, ACCEPTED, BONUS = "prefill", "accepted", "bonus"
 
@@ -56,12 +56,12 @@ def _event(run: RunResult, i: int, time_s: float, kind: str, iteration: int) -> 
 
 
 def decode_time(run: RunResult) -> float:
-    """The run's measured decode time in seconds (prefill included): engine.metrics's total_s."""
+    """The run's measured decode time in seconds (prefill included): engine.measure.metrics's total_s."""
     return float(run.metrics["total_s"])
 
 
 def speedup(run: RunResult, ar: RunResult) -> float | None:
-    """How many times faster `run` decoded than the AR run `ar` of the same prompt: engine.metrics's speedup_vs_ar
+    """How many times faster `run` decoded than the AR run `ar` of the same prompt: engine.measure.metrics's speedup_vs_ar
     (tokens/s over AR's tokens/s), which is AR's decode time ÷ the run's when both wrote the same number of tokens."""
     return compare_outputs(run, ar).get("speedup_vs_ar")
 

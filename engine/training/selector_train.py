@@ -1,4 +1,4 @@
-"""The neural selector's training (engine/selector.py is what runs at decode time): its targets and objective.
+"""The neural selector's training (engine/strategies/selector.py is what runs at decode time): its targets and objective.
 
 Targets (`scripts/selector_data.py`): at each root of real runs, one cover tree (`grow_cover`) holds an exact
 (K, L1, L2) delayed tree for every action by prefix sharing, and each action's block efficiency is Eq. 3's inner sum
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.selector import ACTIONS, BASELINE, EPS, K_MAX, L1_MAX, L2_MAX, RULES, Selector, SelectorError
+from engine.strategies.selector import ACTIONS, BASELINE, EPS, K_MAX, L1_MAX, L2_MAX, RULES, Selector, SelectorError
 from engine.verify.spectr import division_factor, overlap
 
 PENALTY_WEIGHT, PENALTY_FRACTION = 1.0, 0.1  # lambda, alpha of Eq. 12

@@ -7,7 +7,7 @@ and ARCHITECTURE.md link to this docstring; the app, the bench and the command l
 - **ℓ̄** (`mean_accepted_len`): accepted draft-path length per iteration, bonus excluded (L̄ = ℓ̄ + 1).
 - **acceptance** (`acceptance_rate`): accepted draft tokens / drafted nodes, over the run.
 - **acceptance by source** (`acceptance_by_source[s]`): for the drafted nodes that source s proposed ("model": the
-  draft; "lookup": context lookup, engine/lookup.py; "both": a lookup continuation through a model node), accepted
+  draft; "lookup": context lookup, engine/core/lookup.py; "both": a lookup continuation through a model node), accepted
   nodes / drafted nodes over the run, with both counts (`{"drafted", "accepted", "rate"}`); only sources that drafted
   something appear (a run without lookup has "model" alone).
 - **per-depth acceptance** (`per_depth_acceptance[d - 1]`): the fraction of iterations whose accepted length is >= d.
@@ -18,7 +18,7 @@ and ARCHITECTURE.md link to this docstring; the app, the bench and the command l
   Time a consumer holds a `DecodeRun` between its steps (the app drawing figures) is left out (`DecodeRun.paused_s`).
 - **speedup**: tokens/s ÷ AR tokens/s measured in the same process, with the same dtype, attention and stopping rule
   (`compare_outputs`' `speedup_vs_ar`). `python -m engine bench` divides by the faster of its two ARs, the eager one
-  and `ar-compiled` (engine/compiled.py); the app and `generate --compare-ar` use the eager AR.
+  and `ar-compiled` (engine/capture/compiled.py); the app and `generate --compare-ar` use the eager AR.
 - **exact match** (`compare_outputs`): the output equals AR's token for token; otherwise the first divergence and the
   target's top-2 logit margin there.
 - **stage times** (`stage_s`): seconds per stage summed over iterations: draft, build, verify, commit, other.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.trace import ACCEPTED, REJECTED, IterationCost, IterationRecord, RunResult
+from engine.core.trace import ACCEPTED, REJECTED, IterationCost, IterationRecord, RunResult
 
 STAGES = ("draft", "build", "verify", "commit", "other")
 # Measured/predicted beyond x1.3 or /1.3 (a tolerance, not a machine constant): the cost table no longer describes the

@@ -28,10 +28,10 @@ import time
 
 import torch
 
-from engine.attention import compiled_attention
-from engine.kernels import forcing
-from engine.runtime import synchronize
-from engine.sampling import Sampling
+from engine.core.attention import compiled_attention
+from engine.core.kernels import forcing
+from engine.core.runtime import synchronize
+from engine.core.sampling import Sampling
 
 CACHE_STEP = 384  # positions; finer steps cost a compile and a weight copy per size, coarser ones slower steps
 

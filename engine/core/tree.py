@@ -33,7 +33,7 @@ class DraftTree:
     # elsewhere the draw order is `children`. Sampling rules for i.i.d. children rely on this order being the true
     # (exchangeable) draw order, never "grouped by first appearance", which biases them.
     draws: dict[int, list[int]] = field(default_factory=dict)
-    # Who proposed each node: "model" (the draft; `add`'s default), "lookup" (engine/lookup.py: the context), or
+    # Who proposed each node: "model" (the draft; `add`'s default), "lookup" (engine/core/lookup.py: the context), or
     # "both" (a lookup continuation through a model node); the root is "root".
     source: list[str] = field(default_factory=list)
     # Strategy-specific, JSON-able signals for this iteration (e.g. SALF's round sums); copied into the record.

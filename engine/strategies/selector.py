@@ -11,7 +11,7 @@ Features (Appendix E), all available at the root without an extra forward:
 - the target's final hidden state at the previous position (the row of the last verification forward, or of the
   prefill, whose distribution drew the root) and the draft's final hidden state at the root (the drafter's root
   forward, which every action begins with); both are the final norm's rows each model's steps return with their
-  logits (`last_hidden`, engine/steps.py: a captured or graphed forward runs no Python hooks);
+  logits (`last_hidden`, engine/core/steps.py: a captured or graphed forward runs no Python hooks);
 - entropies H(p_prev), H(q_prev), H(q_root), KL(p_prev || q_prev), KL(q_prev || p_prev), ||p_prev - q_prev||_1;
 - log context length, temperature, top-p.
 The draft's hidden state at the previous token (the paper's h_prev^q) is left out: the previous token's draft row was
@@ -22,7 +22,7 @@ learned linear map and LayerNorm per block; with the standardised scalars that f
 with two heads over the actions: policy logits (the paper's) and the predicted block efficiency E[tau + 1] per
 action, which is only used to report the chosen action's predicted tokens/s.
 
-Targets, objective and training: engine/selector_train.py (offline; nothing at decode time needs them).
+Targets, objective and training: engine/training/selector_train.py (offline; nothing at decode time needs them).
 
 One selector per rule family: SpecInfer (draws tried in order with the residual updated after each rejection) and
 SpecTr (K-SEQ); the other rules that check i.i.d. trees use the SpecInfer selector (`FAMILY`).
@@ -47,7 +47,7 @@ SCALARS = ("entropy_p_prev", "entropy_q_prev", "entropy_q_root", "kl_p_q", "kl_q
            "temperature", "top_p")
 RULES = ("specinfer", "spectr")
 FAMILY = {"spectr": "spectr"}  # every other rule: the SpecInfer selector
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "assets" / "selector"
+WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "selector"
 EPS = 1e-12
 
 
@@ -68,7 +68,7 @@ def draft_rows(action: tuple[int, int, int], first_rows: int = 1) -> tuple[list[
 
 
 def action_seconds(costs, first_rows: int = 1) -> torch.Tensor:
-    """Eq. 11 per action from the measured cost table (engine/costs.py): every draft forward + one verification."""
+    """Eq. 11 per action from the measured cost table (engine/measure/costs.py): every draft forward + one verification."""
     return torch.tensor([costs.predict(*draft_rows(a, first_rows))["total_s"] for a in ACTIONS], dtype=torch.float64)
 
 

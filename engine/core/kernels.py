@@ -1,4 +1,4 @@
-"""Kernel paths for linear layers, chosen per call by row count from measured costs (engine/costs.py).
+"""Kernel paths for linear layers, chosen per call by row count from measured costs (engine/measure/costs.py).
 
 Every `nn.Linear` of a model can become a `RoutedLinear`, which keeps the original weight (tied weights stay tied)
 and adds the other ways torch offers to multiply by it:

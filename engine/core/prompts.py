@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PROMPT_DIR = Path(__file__).resolve().parent.parent / "assets" / "prompts"
+PROMPT_DIR = Path(__file__).resolve().parents[2] / "assets" / "prompts"
 PROMPT_SETS = ("code", "chat", "prose")  # "all": what the bench, sweeps and gallery run by default
 # Selectable by name only, outside "all" (adding them would change every existing benchmark): "grounded", prompts whose
 # answer copies heavily from the input (edit this function, answer from this passage, fill this template).

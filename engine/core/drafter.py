@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from engine.steps import DynamicSteps
-from engine.tree import DraftTree
+from engine.core.steps import DynamicSteps
+from engine.core.tree import DraftTree
 
 # Turns draft logits [k, V] (float32) into the processed draft distributions q [k, V].
 Processor = Callable[[torch.Tensor], torch.Tensor]
@@ -29,11 +29,11 @@ class Drafter:
         self.device = model.device
         self.process = process
         self.generator = generator  # the run's seeded generator when sampling: strategies draw children with it
-        self.steps = steps if steps is not None else DynamicSteps(model)  # its forwards and cache (engine/steps.py)
+        self.steps = steps if steps is not None else DynamicSteps(model)  # its forwards and cache (engine/core/steps.py)
         self.cached = 0  # committed tokens held in the draft cache
         self.forwards = 0
         self.seconds = 0.0
-        # The neural selector's features (engine/selector.py), kept only when a strategy wants them: the q that drew
+        # The neural selector's features (engine/strategies/selector.py), kept only when a strategy wants them: the q that drew
         # the current root (`prev_dist`), from this iteration's root forward when the previous token is pending,
         # else from the node the last iteration expanded there.
         self.taps = None

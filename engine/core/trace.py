@@ -44,7 +44,7 @@ class NodeRecord:
     # expanded it. Empty elsewhere (and in traces older than schema 2).
     next_p: list[list] = field(default_factory=list)
     next_q: list[list] = field(default_factory=list)
-    # Who proposed the node: "model" (the draft), "lookup" (context lookup, engine/lookup.py), "both" (a lookup
+    # Who proposed the node: "model" (the draft), "lookup" (context lookup, engine/core/lookup.py), "both" (a lookup
     # continuation through a model node), "root"; the bonus pseudo-node: "target".
     source: str = "model"
 
@@ -56,7 +56,7 @@ NODE_DEFAULTS = {f.name: f.default if f.default is not MISSING else f.default_fa
 
 @dataclass
 class IterationCost:
-    """An iteration's draft and verify seconds as the measured cost table predicted them (engine/costs.py), beside
+    """An iteration's draft and verify seconds as the measured cost table predicted them (engine/measure/costs.py), beside
     the seconds they took: the cost panel, the drift check and the `auto` sizer read them."""
     draft_rows: list[int]                # rows of each draft forward
     verify_rows: int                     # rows of the target's verification forward
@@ -66,7 +66,7 @@ class IterationCost:
     measured_draft_s: float
     measured_verify_s: float
     measured_s: float                    # draft + verify
-    auto: dict[str, Any] | None = None   # the `auto` preset's choice of the next size (engine/autosize.py)
+    auto: dict[str, Any] | None = None   # the `auto` preset's choice of the next size (engine/measure/autosize.py)
 
 
 @dataclass

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.runtime import cache_dir
+from engine.core.runtime import cache_dir
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "vocab"
+ASSETS = Path(__file__).resolve().parents[2] / "assets" / "vocab"
 MIN_VOCAB = 64  # the CLI's floor: with fewer, a wide top-k would propose tokens of draft probability zero
 _RUNTIME_CORPUS_CHARS = 4_000_000  # building a table on first use: a few seconds of tokenizing
 

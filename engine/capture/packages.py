@@ -4,8 +4,8 @@
     steps = pair.captured["draft"]       # a CapturedModel: route(n) -> (rows to run, runner) or (n, None)
 
 The switch (`capture`: auto | on | off) belongs to the pair:
-  CPU   packages compiled ahead of time by AOTInductor (engine/aoti.py), where a C++ compiler exists;
-  CUDA  one CUDA graph per row-count bucket (engine/cuda_graphs.py), but only with `on`: the graphed path has not
+  CPU   packages compiled ahead of time by AOTInductor (engine/capture/aoti.py), where a C++ compiler exists;
+  CUDA  one CUDA graph per row-count bucket (engine/core/cuda_graphs.py), but only with `on`: the graphed path has not
         been validated on a GPU yet (docs/gpu.md), so `auto` leaves a GPU eager.
 
 What each CPU model gets (`plan`): a static package per power-of-two bucket up to the largest row count its routing
@@ -19,21 +19,21 @@ eager path at each rung of the cost ladder, and a row count is served by it only
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import subprocess
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from engine.aoti import (MAX_ROWS, CaptureError, Recipe, build, compiler_missing, load, package_file, package_key,
-                        read_meta, write_meta)
-from engine.costs import spans
-from engine.kernels import INT4_GROUP, available_memory, linear_bytes, router_of
-from engine.runtime import cache_dir, synchronize
+from engine.capture.aoti import (MAX_ROWS, CaptureError, Recipe, build, compiler_missing, load, package_file,
+                                package_key, read_meta, write_meta)
+from engine.core.kernels import INT4_GROUP, available_memory, linear_bytes, router_of
+from engine.core.runtime import synchronize
+from engine.core.steps import LADDER, StaticSteps, graph_capacity
+from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, machine_load, model_identity, probe_ids, spans,
+                                 table_file, table_key, write_json)
 
 MODES = ("auto", "on", "off")
 QUANTISED = ("int4", "int8")
@@ -136,7 +136,6 @@ class CapturedModel:
 def recipe_key(model, name: str, recipe: Recipe) -> dict:
     """What a package is keyed by: the model (identity and a weight fingerprint: the weights are frozen in), its
     dtype, the recipe (with the int4 grouping when it is int4), torch and the machine."""
-    from engine.costs import machine, model_identity
     device = next(model.parameters()).device
     extra = {"int4_group": INT4_GROUP} if recipe.path == "int4" else {}
     return {**package_key(model_identity(model, name), model.dtype, recipe, machine(device)),
@@ -145,7 +144,6 @@ def recipe_key(model, name: str, recipe: Recipe) -> dict:
 
 def weights_fingerprint(model) -> str:
     """A digest of a strided sample of every parameter: a retrained checkpoint of the same shape gets new packages."""
-    import hashlib
     digest = hashlib.sha256()
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
@@ -193,8 +191,6 @@ def prepare_model(model, name: str, role: str, progress=None) -> CapturedModel:
 def measure_captured(model, captured: CapturedModel, ladder, prefix: int, repeats: int) -> dict[int, float]:
     """Seconds of a forward of each rung's row count over a `prefix`-token cache through `captured`'s packages
     (each rung its package runs; padded where static), fastest of `repeats` whole sweeps after one warm-up sweep."""
-    from engine.costs import probe_ids
-    from engine.steps import StaticSteps
     rungs = [r for r in ladder if captured.package_for(r) is not None]
     saved, captured.serves = captured.serves, {}
     captured.serve_all()
@@ -226,8 +222,6 @@ def measure_graphed(model, paths: list[str], ladder=None, prefix: int | None = N
     shared one); each rung's forward timed from its inputs' copy to its logits, synchronised; fastest of `repeats`
     whole sweeps after one warm-up sweep. One path ("plain": a GPU has no kernel routing); `paths` is accepted for
     measure's signature. (On a CPU the same static steps run eagerly: what the tests check.)"""
-    from engine.costs import LADDER, PREFIX, REPEATS, probe_ids
-    from engine.steps import StaticSteps, graph_capacity
     ladder, prefix, repeats = ladder or LADDER, prefix or PREFIX, repeats or REPEATS
     ids = probe_ids(model, prefix + max(ladder)).tolist()
     device = next(model.parameters()).device
@@ -256,13 +250,10 @@ def measure_graphed(model, paths: list[str], ladder=None, prefix: int | None = N
 def captured_table(model, name: str, captured: CapturedModel, recalibrate: bool = False) -> dict[int, dict[int, float]]:
     """{context: {rows: seconds}} of `captured` at PREFIX and every CONTEXTS length: read from the cost cache, where
     the same packages were measured on this machine, else measured and stored there."""
-    import json
-    from pathlib import Path
-    from engine.costs import CONTEXTS, LADDER, PREFIX, REPEATS, _busy, _key_file, _write_json, table_key
     device = next(model.parameters()).device
     key = {**table_key(model, name, model.dtype, device), "steps": "aoti",
            "packages": sorted(Path(p.file).stem for p in captured.packages)}
-    file = _key_file(key)
+    file = table_file(key)
     if file.is_file() and not recalibrate:
         try:
             data = json.loads(file.read_text())
@@ -270,10 +261,10 @@ def captured_table(model, name: str, captured: CapturedModel, recalibrate: bool 
                 return {int(c): {int(r): s for r, s in t.items()} for c, t in data["captured"].items()}
         except (OSError, ValueError, KeyError, AttributeError):
             pass
-    before = _busy()
+    before = machine_load()
     table = {c: measure_captured(model, captured, LADDER, c, REPEATS) for c in (PREFIX, *CONTEXTS)}
-    _write_json(file, {"key": key, "captured": {str(c): t for c, t in table.items()}, "measured_at": time.time(),
-                       "busy": max((b for b in (before, _busy()) if b is not None), default=None)})
+    write_json(file, {"key": key, "captured": {str(c): t for c, t in table.items()}, "measured_at": time.time(),
+                       "busy": max((b for b in (before, machine_load()) if b is not None), default=None)})
     return table
 
 
@@ -344,7 +335,7 @@ def format_capture(pair) -> str:
     return "\n".join(lines)
 
 
-# -- building in another process (the app builds while it serves eager runs) ------------------------------------------
+# -- what a builder process (engine/models/builder.py) still has to compile ---------------------------------------
 
 def missing(pair) -> dict[str, list[Recipe]]:
     """Per model, the packages `plan` wants that are not on disk yet (an empty dict: all built, loading is quick)."""
@@ -357,47 +348,3 @@ def missing(pair) -> dict[str, list[Recipe]]:
             if todo:
                 out[role] = todo
     return out
-
-
-def build_request(pair, target: str, draft: str | None, recipes: dict[str, list[Recipe]], **load) -> dict:
-    """What a builder process needs to rebuild the same models (specs and the load options that change their
-    weights or names) and the recipes to compile."""
-    return {"target": target, "draft": draft, "dtype": str(pair.dtype).removeprefix("torch."),
-            "device": str(pair.device), **load, "recipes": {role: [asdict(r) for r in rs] for role, rs in recipes.items()}}
-
-
-def start_builder(request: dict, log_file) -> subprocess.Popen:
-    """`python -m engine.capture REQUEST` in its own process: compiling runs its own kernels and threads there, never
-    beside the serving process's compute thread (engine/capture.py `main`)."""
-    folder = cache_dir() / "captured"
-    folder.mkdir(parents=True, exist_ok=True)
-    file = folder / f".request-{os.getpid()}.json"
-    file.write_text(json.dumps(request))
-    return subprocess.Popen([sys.executable, "-m", "engine.capture", str(file)], stdout=log_file,
-                            stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parent.parent))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Build the packages a request file names (see build_request); prints one line per package."""
-    from engine.models import load_pair
-    request = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
-    pair = load_pair(request["target"], request["draft"], dtype=request["dtype"], device=request["device"],
-                     packed="off", calibrate=False, draft_vocab=request.get("draft_vocab"),
-                     draft_quant=request.get("draft_quant", "none"))
-    for role, recipes in request["recipes"].items():
-        model = pair.target if role == "target" else pair.draft
-        name = pair.target_name if role == "target" else pair.draft_name
-        for fields in recipes:
-            recipe = Recipe(**fields)
-            key = recipe_key(model, name, recipe)
-            file = package_file(key)
-            if file.is_file():
-                continue
-            seconds = build(model, recipe, file)
-            write_meta(file, key, seconds)
-            print(f"built the {role}'s {recipe.describe()} in {seconds:.0f} s", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

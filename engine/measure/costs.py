@@ -6,17 +6,17 @@ So they are measured, once per (machine, model, dtype, torch version, threads), 
 cache_dir()/costs; `recalibrate=True` measures again.
 
 A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each of CONTEXTS), then time forwards
-of 1, 2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/kernels.py),
+of 1, 2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/core/kernels.py),
 fastest of REPEATS
 (after one discarded warm-up call per path). The cache is rolled back after each call, so every call sees the same
 prefix. On CUDA, timing synchronises the device and the only path is torch's own. Where runs replay CUDA graphs
-(engine/steps.py) the table is measured through those same steps, one graph per rung (engine/capture.py
+(engine/core/steps.py) the table is measured through those same steps, one graph per rung (engine/capture/packages.py
 `measure_graphed`): a GPU's
 eager forwards cost what the host takes to launch them, which says nothing about a replay.
 
 The table then decides three things: the routing (each row count to its fastest path), the predicted cost of an
 iteration (Σ draft forwards at their row counts + verification at the tree's size, interpolated between the
-measured context lengths), and the `auto` presets (engine/autosize.py).
+measured context lengths), and the `auto` presets (engine/measure/autosize.py).
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from engine import kv
-from engine.kernels import PATHS, forcing, router_of, step_bytes
-from engine.runtime import cache_dir, synchronize
+from engine.core import kv
+from engine.core.kernels import PATHS, forcing, router_of, step_bytes
+from engine.core.runtime import cache_dir, synchronize
+from engine.core.steps import LADDER
 
-LADDER = (1, 2, 4, 8, 16, 32, 64)
 PREFIX = 300
 # Further context lengths measured beside PREFIX (attention's share of a forward grows with the cache), stored in the
 # same file under "contexts" so a table cached before they existed still loads and only they are measured.
@@ -92,7 +92,7 @@ def table_key(model, name: str, dtype: torch.dtype, device: torch.device, graphs
     return {**key, "steps": "cuda-graphs"} if graphs else key
 
 
-def _key_file(key: dict) -> Path:
+def table_file(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "costs" / f"{digest}.json"
 
@@ -116,7 +116,7 @@ def interpolate(points: dict[int, float], rows: int) -> float:
 @dataclass
 class ModelCosts:
     """Median forward seconds of one model: seconds[path][rows] for each eager kernel path; `captured[context][rows]`
-    through its captured steps (engine/capture.py), and `serves`: the row counts those serve (only where faster) ->
+    through its captured steps (engine/capture/packages.py), and `serves`: the row counts those serve (only where faster) ->
     the rows each actually runs (a static package pads to its bucket)."""
     name: str
     seconds: dict[str, dict[int, float]]
@@ -209,12 +209,12 @@ def _causal_mask(prefix: int, rows: int, dtype: torch.dtype, device: torch.devic
 def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, recalibrate: bool = False,
                 measure_fn=measure, graphs: bool = False) -> ModelCosts:
     """The model's table for the paths it has: from the disk cache where it holds them, else measured and saved.
-    `graphs`: the table of replayed CUDA graphs (`measure_fn` then times them: engine/capture.py
+    `graphs`: the table of replayed CUDA graphs (`measure_fn` then times them: engine/capture/packages.py
     `measure_graphed`), cached apart from the eager one."""
     router = router_of(model)
     paths = list(router.paths) if router is not None else ["plain"]
     key = table_key(model, name, dtype, device, graphs)
-    file = _key_file(key)
+    file = table_file(key)
     stored: dict[str, dict[int, float]] = {}
     others: dict[int, dict[str, dict[int, float]]] = {}
     busy = None
@@ -231,14 +231,14 @@ def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, reca
     for context, table in [(PREFIX, stored)] + [(c, others.setdefault(c, {})) for c in CONTEXTS]:
         missing = [p for p in paths if set(table.get(p, {})) != set(LADDER)]
         if missing:
-            before = _busy()
+            before = machine_load()
             table.update(measure_fn(model, missing) if context == PREFIX else
                          measure_fn(model, missing, prefix=context))
-            after = _busy()
+            after = machine_load()
             busy = max(b for b in (before, after, busy) if b is not None) if before is not None else None
             measured = True
     if measured:
-        _write_json(file, {"key": key, "seconds": stored, "contexts": {str(c): t for c, t in others.items()},
+        write_json(file, {"key": key, "seconds": stored, "contexts": {str(c): t for c, t in others.items()},
                            "measured_at": time.time(), "busy": busy})
     return ModelCosts(name, {p: stored[p] for p in paths}, measured=measured, busy=busy,
                       contexts={c: {p: t[p] for p in paths} for c, t in others.items() if c in CONTEXTS})
@@ -249,7 +249,7 @@ def _table(data: dict) -> dict[str, dict[int, float]]:
     return {p: {int(r): s for r, s in v.items()} for p, v in data.items()}
 
 
-def _busy() -> float | None:
+def machine_load() -> float | None:
     """1-minute load average per core beyond this process's own threads (None where the OS does not say)."""
     try:
         load = os.getloadavg()[0]
@@ -258,7 +258,7 @@ def _busy() -> float | None:
     return max(load - torch.get_num_threads(), 0.0) / (os.cpu_count() or 1)
 
 
-def _write_json(file: Path, data: dict) -> None:
+def write_json(file: Path, data: dict) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(f".tmp-{file.name}-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
@@ -286,7 +286,7 @@ def stream_bandwidth(device: torch.device, nbytes: int = _STREAM_BYTES, repeats:
 def machine_bandwidth(device: torch.device, recalibrate: bool = False) -> float:
     """stream_bandwidth, cached per machine like the tables."""
     key = {"format": FORMAT, "probe": "stream-sum-fp32", "bytes": _STREAM_BYTES, **machine(device)}
-    file = _key_file(key)
+    file = table_file(key)
     if file.is_file() and not recalibrate:
         try:
             data = json.loads(file.read_text())
@@ -295,7 +295,7 @@ def machine_bandwidth(device: torch.device, recalibrate: bool = False) -> float:
         except (OSError, ValueError, KeyError):
             pass
     value = stream_bandwidth(device)
-    _write_json(file, {"key": key, "bytes_per_s": value, "measured_at": time.time()})
+    write_json(file, {"key": key, "bytes_per_s": value, "measured_at": time.time()})
     return value
 
 

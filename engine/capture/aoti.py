@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
 
-from engine.attention import compiled_attention
-from engine.kernels import forcing, routed_linears
-from engine.runtime import cache_dir
+from engine.core.attention import compiled_attention
+from engine.core.kernels import forcing, routed_linears
+from engine.core.runtime import cache_dir
 
 FORMAT = 1  # bump when a package's inputs or outputs change meaning
 MAX_ROWS = 64  # the largest dynamic row count a package is exported for
@@ -46,7 +46,7 @@ class CaptureError(RuntimeError):
 @dataclass(frozen=True)
 class Recipe:
     """What one package computes: `rows` query rows (exactly, or any count in rows..hi when `hi` is set) with the
-    linears on kernel path `path` (engine/kernels.py; "packed" is never used inside: inductor packs plain weights
+    linears on kernel path `path` (engine/core/kernels.py; "packed" is never used inside: inductor packs plain weights
     itself)."""
     rows: int
     path: str = "plain"

@@ -1,0 +1,8 @@
+"""Benchmarks: strategies against AR at its fastest, size-knob sweeps, and other libraries' decoders as peers.
+
+  tables.py   `python -m engine bench`: every method on every prompt, the ARs interleaved, ratios to the fastest AR
+  sweep.py    one size knob swept over a prompt set (the app's Sweep tab and `python -m engine sweep`)
+  peers.py    transformers' assisted generation and prompt lookup, run on the same pair
+
+May import: everything in the engine but the command line (contract `engine-rooms`).
+"""

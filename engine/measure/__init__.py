@@ -1,0 +1,10 @@
+"""Measuring and sizing: what a forward costs on this machine, the metrics of a run, and the tree sizes they imply.
+
+  costs.py      forward cost tables per model and kernel path, measured once per machine and cached (the performance
+                model: c = draft / target, t(n) = a verify of n rows / a verify of one)
+  autosize.py   `auto`: each iteration's tree size from the cost table and the run's own acceptance
+  metrics.py    the metric definitions (its docstring) and their computation from records
+  timeline.py   teaching numbers read back from a finished run's records (pure Python)
+
+May import: engine.core and engine.strategies' sizing (contract `engine-rooms`).
+"""
