@@ -3,13 +3,11 @@
 torch's CPU kernels run in parallel through OpenMP, and GNU OpenMP keeps a pool of worker threads for each thread
 that starts parallel work. Once two such pools exist on a small machine there are more OpenMP threads than cores,
 and then, by libgomp's documented default (GOMP_SPINCOUNT), idle workers spin 100 times instead of 300,000 before
-they sleep, so every parallel region has to wake them (the likely cause: a longer spin count narrowed the gap, an
-endless one widened it, as the idle pool then held a core). On the 2-core
-CPU (`python -m scripts.thread_probe --pair default`) a one-row bf16 linear of the draft's MLP shape took 25-35 %
-longer on a thread started after the main thread had run parallel work than on the main thread, and DynaTree
-decoded 10-27 % fewer tokens per second there. Gradio steps a streaming handler in whichever of its worker threads
-is free, and each worker that ever ran a kernel keeps its pool, so the app's runs were exposed to this whenever a
-step landed on another worker (one /run in six lost 20 % in an A/B of the app; the rest matched).
+they sleep, so every parallel region has to wake them: a thread started after the main thread ran parallel work
+runs the same kernels measurably slower (`python -m scripts.thread_probe`; numbers in
+docs/experiments/design-measurements.md). Gradio steps a streaming handler in whichever of its worker threads is
+free, and each worker that ever ran a kernel keeps its pool, so without this module a run is slow whenever a step
+lands on another worker.
 
 So every model call the app makes runs on this one thread. `stepped(items)` steps a handler's generator here, one
 item per request, exactly as if the handler stepped it itself: the decoder still pauses while the handler draws the

@@ -1,4 +1,4 @@
-"""The teaching sections of the page (issue 22): the Race, Step through and Sweep tabs, the acceptance-length
+"""The teaching sections of the page: the Race, Step through and Sweep tabs, the acceptance-length
 histograms, the "size nodes by draft entropy" switch and the Download HTML button; each builder adds its components
 to the page namespace `ui` (treeviz/ui.py calls them inside its layout), `wire` connects them.
 

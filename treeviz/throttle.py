@@ -3,11 +3,9 @@ so that showing the run never slows the decoding it shows by more than about BUI
 
 An update costs the decoding twice: the handler builds it (snapshot, tree, text) and Gradio serialises and sends it
 before it resumes the generator, both on the decoding's cores; then the browser re-draws Plotly figures on the same
-machine when the page runs beside the server (a Space's visitor does not, a local user does). Measured on the
-2-core machine (issue 22): a real browser taking an update at most every 0.25 s cut DynaTree from 17.6-18.9 to 9.8
-tokens/s through gradio_client, i.e. each update cost the decoding about 0.11 s (0.045 s per token x 9.8 tokens/s
-/ 4 updates/s). So updates come at most every MIN_UPDATE_INTERVAL_S = 0.11 s / BUILD_SHARE, and further apart when
-one update costs more in this process: after an update that took u seconds from the start of its build until the
+machine when the page runs beside the server (a Space's visitor does not, a local user does). One update cost the
+decoding about 0.11 s on the 2-core machine (docs/experiments/design-measurements.md), so updates come at most
+every MIN_UPDATE_INTERVAL_S = 0.11 s / BUILD_SHARE, and further apart when one update costs more in this process: after an update that took u seconds from the start of its build until the
 generator resumed, the next waits at least u * (1 - BUILD_SHARE) / BUILD_SHARE (u / (u + wait) <= BUILD_SHARE).
 Iterations in between are not lost: each update shows the run so far, and the final view and the trace hold every
 iteration.

@@ -1,6 +1,6 @@
 """Autoregressive decoding through torch.compile: the fastest single-row step torch offers, as a baseline.
 
-The engine's eager AR step spends ~90 % of its time in oneDNN's linear kernels. inductor with frozen weights and
+The engine's eager AR step spends most of its time in oneDNN's linear kernels. inductor with frozen weights and
 `max-autotune` times its own C++ micro-GEMMs against them per weight shape, keeps the faster, and fuses the rest of
 the layer; on the project's 2-core CPU that made AR markedly faster (docs/experiments/compiled-ar.md). Whether it
 wins is the machine's business, so `bench` runs this beside the eager AR and divides by whichever was faster. The
@@ -11,7 +11,7 @@ speculative methods do not use it (their row counts change every iteration; see 
 
 The cost of it:
   * a compiled step attends over its whole static cache, filled or not, so a cache far longer than the sequence
-    slows every step (measured: ~7 ms per step for 640 unused positions of the 1.5B target). Caches therefore come
+    slows every step (docs/experiments/design-measurements.md). Caches therefore come
     in sizes of `cache_step` positions, the smallest that fits prompt + new tokens, each with its own graph: the
     graph is specialised to the cache tensors it was traced with (handing it a fresh cache silently reads the old
     one), so each size keeps its cache for the object's life and every generation resets it;
@@ -19,7 +19,7 @@ The cost of it:
     keeps one more packed copy of the target's weights per cache size;
   * attention runs as SDPA's math backend with grouped-query heads (`enable_gqa`), which inductor fuses into its own
     kernels; transformers' default (its key/value heads repeated under a mask, then oneDNN's fused CPU attention)
-    made the step 1.1x slower on the project's CPU (scripts/compile_probe.py --variants);
+    made the step slower on the project's CPU (scripts/compile_probe.py --variants);
   * the prefill runs eagerly (its length changes per prompt; compiling it would recompile per length).
 """
 from __future__ import annotations

@@ -5,20 +5,9 @@ suffix of the stream (between `min_match` and `max_match` tokens) that also ends
 followed those earlier occurrences. `build_lookup_tree` merges the best continuations into a trie under a node of a
 `DraftTree` (shared prefixes become one path), within a node budget.
 
-Index choice, measured with scripts/lookup_timing.py (2 shared CPU cores, Python 3.11; a text-like stream over 512
-tokens, half of it copied spans; orders 2..8; fed 4 tokens at a time, `continuations(4, 8)` every 10th step; best
-of 3):
-
-    index                                        extend, µs/token (2k / 8k)   query, µs (2k / 8k)
-    n-gram hash, one dict entry per order        1.9 / 3.4                    17 / 26
-    one 2-gram hash + backward extension         0.2 / 1.0                    38 / 252
-    suffix automaton (endpos = link subtree)     1.2 / 3.7                    19 / 43
-
-All three cost microseconds against a target forward of milliseconds. The multi-order hash is chosen: its query
-stays flat as the stream grows (every order's occurrences are one dict lookup away, and only the most recent `SCAN`
-are read), where the backward extension rereads every 2-gram occurrence and the automaton walks a suffix-link
-subtree (all of a suffix's occurrences, needed to rank continuations by frequency) that grows with the stream; and
-it is the simplest of the three.
+The index is one hash per n-gram order: its query stays flat as the stream grows (every order's occurrences are one
+dict lookup away, and only the most recent `SCAN` are read), and it is the simplest of the indexes compared
+(`python -m scripts.lookup_timing`; docs/experiments/design-measurements.md).
 
 What q means for lookup nodes: a lookup proposal is deterministic given the committed context, so lookup children
 are recorded as child_mode "topk": each a draw from the point mass on its token (engine/verify/base.py). That is

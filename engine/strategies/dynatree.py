@@ -56,8 +56,8 @@ class DynaTree(LookupGraft, Strategy):
     )
     auto_param = "budget"  # the size the "auto" preset tunes from measured costs
     presets = {
-        # a* 0.9 on the CPU: a draft forward costs c = 0.16 of a target step there and deeper trees did not pay for
-        # theirs; the paper's 0.7 deepened chat's trees and lost 2-6 % there (docs/control.md)
+        # a* 0.9 on the CPU: a draft forward costs a larger share of a target step there than on the paper's GPUs, and
+        # the deeper trees the paper's 0.7 grows did not pay for their draft forwards (docs/control.md)
         "cpu": {"d0": 4, "d_max": 7, "budget": 24, "b_mid": 2, "b_max": 3, "tau": 0.05, "a_star": 0.9},
         "paper": {"d0": 5, "d_max": 8, "budget": 256, "b_mid": 2, "b_max": 3, "tau": 0.05, "a_star": 0.7},
     }
