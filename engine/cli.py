@@ -6,9 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+from engine.core.sampling import Sampling
 from engine.measure.metrics import drift_warning
 from engine.models import PAIRS
-from engine.core.sampling import Sampling
 from engine.session import RunSpec, check_spec, split_pair, start_run
 from engine.strategies import STRATEGIES, StrategyError
 

@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.core import kv
-from engine.measure.autosize import AutoSizer
 from engine.core.drafter import Drafter, softmax_processor
-from engine.measure.metrics import run_metrics
 from engine.core.prompts import Prompt, PromptError, encode_prompt, prompt_text
-from engine.records import complete_record, iteration_cost, iteration_record, margins
 from engine.core.runtime import synchronize
 from engine.core.sampling import Sampling
-from engine.strategies.selector import FeatureTaps
 from engine.core.steps import DynamicSteps, pair_static_steps
-from engine.strategies.base import Strategy
 from engine.core.trace import IterationRecord, RunResult
 from engine.core.tree import DraftTree
+from engine.measure.autosize import AutoSizer
+from engine.measure.metrics import run_metrics
+from engine.records import complete_record, iteration_cost, iteration_record, margins
+from engine.strategies.base import Strategy
+from engine.strategies.selector import FeatureTaps
 from engine.verify import VerificationError, Verifier, default_verifier
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import torch
 
 from engine.core.sampling import Sampling
 from engine.core.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationCost, IterationRecord,
-                          NodeRecord)
+                               NodeRecord)
 from engine.core.tree import DraftTree
 from engine.verify import Verdict
 

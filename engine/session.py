@@ -10,11 +10,11 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.core.sampling import Sampling
+from engine.core.trace import RunResult
 from engine.decoder import Decoder, DecodeRun
 from engine.models import PAIRS
-from engine.core.sampling import Sampling
 from engine.strategies import make_strategy
-from engine.core.trace import RunResult
 from engine.verify import Verifier, make_verifier
 
 AR = "ar"

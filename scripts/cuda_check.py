@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models import tiny_random_pair
 from engine.core.sampling import Sampling
+from engine.models import tiny_random_pair
 from engine.session import RunSpec, generate
 from engine.strategies import STRATEGIES
 

@@ -5,8 +5,8 @@
 
 Models are randomly initialised at their published shapes (engine/models/shapes.py; cost depends on the shapes, not
 the weights). Per model, the engine's own calibration (engine/measure/costs.py): `measure` on the eager path (a growing
-cache), and, on CUDA, `measure_graphed` (engine/capture/packages.py) through the engine's static steps with one captured graph per rung -- the
-steps runs take. Then, on CUDA:
+cache), and, on CUDA, `measure_graphed` (engine/capture/packages.py) through the engine's static steps with one captured
+graph per rung -- the steps runs take. Then, on CUDA:
 - capture: seconds per bucket and the GPU memory the graphs hold (StaticSteps.capture_info);
 - a single-row replay's wall time against the summed duration of the kernels it ran (torch.profiler): how close a
   replayed step is to the GPU's own time (launch gaps and host work are the difference);
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from engine.capture.packages import measure_graphed
+from engine.core.runtime import synchronize
+from engine.core.steps import StaticSteps
 from engine.measure.costs import LADDER, PREFIX, measure, probe_ids
 from engine.models.shapes import shape_model
-from engine.core.steps import StaticSteps
-from engine.core.runtime import synchronize
 
 DEFAULT_PAIRS = ("qwen2.5-1.5b/qwen2.5-0.5b,qwen2.5-7b/qwen2.5-0.5b,qwen3-8b/qwen3-0.6b,"
                  "smollm2-1.7b/smollm2-135m,pythia-2.8b/pythia-70m")

@@ -25,10 +25,10 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from engine.bench.tables import run_method, throughput
-from engine.measure.metrics import calibration, run_metrics
-from engine.models import PAIRS, load_pair
 from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.core.sampling import Sampling
+from engine.measure.metrics import calibration, run_metrics
+from engine.models import PAIRS, load_pair
 from engine.verify import make_verifier, theory
 
 

@@ -1,4 +1,5 @@
-"""Which index should context lookup use? Times three on copy-heavy token streams (the numbers in engine/core/lookup.py).
+"""Which index should context lookup use? Times three on copy-heavy token streams (the numbers in
+engine/core/lookup.py).
 
 Each index is fed the stream 4 tokens at a time (as iterations commit them) and asked, every 10th step, for the
 longest earlier match of the stream's end and what followed its occurrences (up to 4 continuations of 8 tokens):

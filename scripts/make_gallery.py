@@ -18,8 +18,8 @@ from pathlib import Path
 from engine.session import RunSpec
 from engine.strategies import STRATEGIES
 from treeviz.errors import UserError
-from treeviz.runs import Backend, Cancel, Done
 from treeviz.replay import TRACE_DIR
+from treeviz.runs import Backend, Cancel, Done
 from treeviz.ui import load_examples
 
 MIN_TOKENS = 8

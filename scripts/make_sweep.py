@@ -15,10 +15,10 @@ import json
 import time
 from pathlib import Path
 
-from engine.models import load_pair
-from engine.core.prompts import PROMPT_SETS, load_prompt_set
-from engine.session import RunSpec, split_pair
 from engine.bench.sweep import DEFAULT_POINTS, run_sweep
+from engine.core.prompts import PROMPT_SETS, load_prompt_set
+from engine.models import load_pair
+from engine.session import RunSpec, split_pair
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "assets" / "traces" / "sweeps"
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 
 from engine.bench.tables import run_method, summarise, throughput
-from engine.models import PAIRS, load_pair
 from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.core.sampling import Sampling
+from engine.models import PAIRS, load_pair
 from engine.verify import VERIFIERS, theory
 
 THEORY = {**theory.ACCEPTANCE, **theory.LOWER_BOUNDS}

@@ -26,13 +26,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.strategies import selector as neural
-from engine.training import selector_train
-from engine.decoder import Decoder
-from engine.models import PAIRS, load_pair
 from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.core.sampling import Sampling
+from engine.decoder import Decoder
+from engine.models import PAIRS, load_pair
+from engine.strategies import selector as neural
 from engine.strategies.base import Strategy
+from engine.training import selector_train
 from engine.verify import SpecInfer
 
 CACHE = Path.home() / ".cache" / "treeviz" / "selector"

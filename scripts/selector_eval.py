@@ -19,10 +19,10 @@ from pathlib import Path
 from scripts.experiments import sweep
 from scripts.selector_data import split_prompts
 
-from engine.strategies import selector as neural
-from engine.models import PAIRS, load_pair
 from engine.core.prompts import PROMPT_SETS
 from engine.core.sampling import Sampling
+from engine.models import PAIRS, load_pair
+from engine.strategies import selector as neural
 from engine.strategies import make_strategy
 
 

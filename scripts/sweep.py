@@ -14,8 +14,8 @@ from pathlib import Path
 
 
 from engine.bench.tables import run_method
-from engine.models import PAIRS, load_pair
 from engine.core.prompts import PROMPT_SETS, load_prompt_set
+from engine.models import PAIRS, load_pair
 
 
 def parse_grid(items):

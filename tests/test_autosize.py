@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
+from engine.core.tree import DraftTree
+from engine.decoder import Decoder
 from engine.measure.autosize import GROWTH, AutoSizer, Sample, predicted
 from engine.measure.costs import LADDER, ModelCosts, PairCosts
-from engine.decoder import Decoder
 from engine.models import tiny_random_pair
 from engine.strategies import StrategyError, make_strategy
-from engine.core.tree import DraftTree
 
 V = 8
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.capture import aoti
 from engine.bench.tables import AR_CAPTURED, AR_EAGER, bench
-from engine.capture.packages import (CaptureUnavailable, CapturedModel, Package, capture_backend, install, plan, prepare_capture,
-                            prepare_model, recipe_key)
+from engine.capture import aoti
 from engine.capture.captured_ar import CapturedAR
-from engine.measure.costs import CAPTURED, ModelCosts, calibrate_pair
+from engine.capture.packages import (CaptureUnavailable, CapturedModel, Package, capture_backend, install, plan,
+                                     prepare_capture, prepare_model, recipe_key)
 from engine.core.kernels import quantize_linears, router_of
-from engine.models import tiny_random_model, tiny_random_pair
 from engine.core.sampling import Sampling
-from engine.session import RunSpec, generate
 from engine.core.steps import DynamicSteps, StaticSteps, causal_visibility
+from engine.measure.costs import CAPTURED, ModelCosts, calibrate_pair
+from engine.models import tiny_random_model, tiny_random_pair
+from engine.session import RunSpec, generate
 from engine.strategies import STRATEGIES
 
 PROMPT = "captured steps, eager steps:"

@@ -4,13 +4,13 @@ import os
 import pytest
 import torch
 
-from engine.core.attention import GQA_SWITCH, compiled_attention
 from engine.capture.compiled import CompileError, CompiledAR, compile_available
-from engine.decoder import Decoder
+from engine.core.attention import GQA_SWITCH, compiled_attention
 from engine.core.kernels import router_of
-from engine.models import tiny_random_pair
 from engine.core.prompts import encode_prompt
 from engine.core.sampling import Sampling
+from engine.decoder import Decoder
+from engine.models import tiny_random_pair
 from engine.strategies import make_strategy
 
 PROMPT = "def f(x):\n    return"

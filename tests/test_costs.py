@@ -1,18 +1,19 @@
-"""Measured costs (engine/measure/costs.py) and the auto preset (engine/measure/autosize.py): cache identity, predictions from a
-table, routing installed at load, predicted vs measured cost in every record, auto sizing as the table says."""
+"""Measured costs (engine/measure/costs.py) and the auto preset (engine/measure/autosize.py): cache identity,
+predictions from a table, routing installed at load, predicted vs measured cost in every record, auto sizing as the
+table says."""
 import json
 
 import pytest
 import torch
 
-from engine.measure import costs as costs_mod
-from engine.measure.costs import CONTEXTS, LADDER, PREFIX, ModelCosts, PairCosts, interpolate, model_costs
-from engine.measure.autosize import WINDOW, AutoSizer
-from engine.decoder import Decoder
 from engine.core.kernels import router_of
+from engine.core.trace import IterationCost, IterationRecord
+from engine.decoder import Decoder
+from engine.measure import costs as costs_mod
+from engine.measure.autosize import WINDOW, AutoSizer
+from engine.measure.costs import CONTEXTS, LADDER, PREFIX, ModelCosts, PairCosts, interpolate, model_costs
 from engine.models import load_pair, tiny_random_pair
 from engine.strategies import STRATEGIES, make_strategy
-from engine.core.trace import IterationCost, IterationRecord
 
 
 @pytest.fixture(autouse=True)

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from engine.core import kv
+from engine.core.prompts import PromptError
+from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, load_run
 from engine.decoder import Decoder
 from engine.models import tiny_random_pair
-from engine.core.prompts import PromptError
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
-from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, load_run
 
 PROMPTS = ["hello world", "def f(x):\n    return", "Z", "The quick brown fox jumps over"]
 SPECULATIVE = [name for name in STRATEGIES if name != "ar"]

@@ -12,12 +12,13 @@ import torch
 
 from chisq import chi_square_pvalue
 from test_sampling import ALPHA, V, compatible, first_two_counts, target_joint, tiny_v8_pair
-from engine.decoder import Decoder
 from engine.core.drafter import Drafter
+from engine.decoder import Decoder
 from engine.models import ModelLoadError, load_pair
+from engine.models.vocab import (TrimmedHead, build_table, draft_vocab_ids, frequency_table, tokenizer_fingerprint,
+                                 trim_head)
 from engine.strategies import STRATEGIES, make_strategy
 from engine.verify import VERIFIERS
-from engine.models.vocab import TrimmedHead, build_table, draft_vocab_ids, frequency_table, tokenizer_fingerprint, trim_head
 
 
 @pytest.fixture(scope="module")

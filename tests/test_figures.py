@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.measure.metrics import run_metrics
 from engine.core.trace import IterationRecord, NodeRecord, RunResult, load_run
+from engine.measure.metrics import run_metrics
 from treeviz.charts import charts_figure, throughput_figure
 from treeviz.html import badge_html, metrics_html, token_pieces, tokens_html
 from treeviz.layout import children_map, tidy_layout

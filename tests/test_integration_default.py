@@ -4,9 +4,9 @@ import os
 import pytest
 import torch
 
+from engine.core.prompts import load_prompt_set
 from engine.decoder import Decoder
 from engine.models import load_pair
-from engine.core.prompts import load_prompt_set
 from engine.strategies import make_strategy
 
 PROMPTS = [load_prompt_set("code")[0]["prompt"], load_prompt_set("chat")[1]["prompt"],

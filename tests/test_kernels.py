@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from engine.core import kernels
-from engine.measure.costs import ModelCosts
-from engine.decoder import Decoder
 from engine.core.kernels import (PackingError, Router, RoutedLinear, pack_linears, quantize_linears, route_linears,
-                            router_of, should_pack)
+                                 router_of, should_pack)
+from engine.decoder import Decoder
+from engine.measure.costs import ModelCosts
 from engine.models import ModelLoadError, load_pair, tiny_random_pair
 from engine.strategies import STRATEGIES, make_strategy
 

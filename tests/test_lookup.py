@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import engine.core.lookup as lookup
-from engine.decoder import Decoder
 from engine.core.lookup import LookupIndex, build_lookup_tree
-from engine.models import tiny_random_pair
 from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.core.sampling import Sampling
-from engine.strategies import STRATEGIES, StrategyError, make_strategy
 from engine.core.tree import DraftTree
+from engine.decoder import Decoder
+from engine.models import tiny_random_pair
+from engine.strategies import STRATEGIES, StrategyError, make_strategy
 from engine.verify import VERIFIERS, VerificationError, compatible_verifiers, make_verifier
 from exact import ROOT_TOKEN, WIDTH, ToyModel, emitted_law, max_error, outcomes
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine import models
-from engine.models import devices, packaged
 from engine.core.runtime import cache_dir
+from engine.models import devices, packaged
 from engine.models import (
     PAIRS,
     ModelLoadError,

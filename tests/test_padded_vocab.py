@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.sampling import Sampling
 from engine.decoder import Decoder
 from engine.models import ModelLoadError, load_pair, tiny_config, tiny_random_model, tiny_tokenizer
 from engine.models.widths import GuardedEmbedding, WidthHead
-from engine.core.sampling import Sampling
 from engine.strategies import make_strategy
 
 PAD = 12

@@ -7,15 +7,15 @@ import json
 import pytest
 import torch
 
+from engine.core.sampling import Sampling
+from engine.core.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationCost, IterationRecord,
+                               NodeRecord, RunResult, TraceError, run_from_dict)
 from engine.decoder import Decoder
 from engine.measure.metrics import calibration, run_metrics
-from engine.core.sampling import Sampling
 from engine.strategies import make_strategy
-from engine.core.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationCost, IterationRecord,
-                          NodeRecord, RunResult, TraceError, run_from_dict)
+from treeviz.charts import calibration_figure, cost_figure, cost_rows
 from treeviz.html import visible_token
 from treeviz.inspector import default_node, inspect, inspector_figure, reason
-from treeviz.charts import calibration_figure, cost_figure, cost_rows
 
 
 # -- records carry the top of p and q ------------------------------------------------------------------------------
@@ -94,7 +94,8 @@ def test_a_schema_1_trace_still_loads_with_empty_top_lists(greedy_run):
         run_from_dict(old)
 
 
-# -- calibration binning (engine.measure.metrics.calibration) ------------------------------------------------------------
+# -- calibration binning (engine.measure.metrics.calibration)
+# ------------------------------------------------------------
 def node(i, parent, q, status, accept_prob=None):
     return NodeRecord(i, parent, 100 + i, f"t{i}", 1, q, 0, q, 0.5, status, accept_prob=accept_prob)
 

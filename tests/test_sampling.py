@@ -13,9 +13,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from chisq import chi_square_pvalue
+from engine.core.sampling import Sampling, SamplingError
 from engine.decoder import Decoder
 from engine.models import ModelPair
-from engine.core.sampling import Sampling, SamplingError
 from engine.strategies import STRATEGIES, make_strategy
 from engine.verify import VERIFIERS, VerificationError, make_verifier
 from engine.verify.base import TopDown
@@ -198,7 +198,7 @@ def test_end_to_end_harness_detects_a_wrong_rule(small_pair):
     assert pvalue < ALPHA
 
 
-# -- plumbing -----------------------------------------------------------------------------------------------------------
+# -- plumbing ---------------------------------------------------------------------------------------------------------
 def test_runs_are_seeded_and_record_sampling(small_pair):
     make = lambda seed: Decoder(small_pair, make_strategy("fixed"), sampling=Sampling(**SAMPLING, seed=seed))  # noqa
     a, b = (make(3).generate(PROMPT, max_new_tokens=24, stop_on_eos=False) for _ in range(2))

@@ -1,5 +1,5 @@
-"""The delayed-tree neural selector (engine/strategies/selector.py, engine/training/selector_train.py): action space, estimator,
-training, and decoding with it.
+"""The delayed-tree neural selector (engine/strategies/selector.py, engine/training/selector_train.py): action space,
+estimator, training, and decoding with it.
 
 - every action is a legal delayed tree, and every choice the selector makes is one of them;
 - Eq. 3's inner sum with Appendix D's branching probabilities equals, tree by tree, the exact expected committed
@@ -15,12 +15,12 @@ import torch
 from chisq import chi_square_pvalue
 from exact import FakeDrafter, Rows, ToyModel, contexts_of, outcomes
 from test_sampling import ALPHA, PROMPT, RUNS, SAMPLING, V, target_joint, tiny_v8_pair
-from engine.strategies import selector as neural
-from engine.training import selector_train
-from engine.decoder import Decoder
 from engine.core.sampling import Sampling
-from engine.strategies import make_strategy
 from engine.core.tree import DraftTree
+from engine.decoder import Decoder
+from engine.strategies import selector as neural
+from engine.strategies import make_strategy
+from engine.training import selector_train
 from engine.verify import make_verifier
 
 

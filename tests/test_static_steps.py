@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from engine.core import kv
+from engine.core.steps import (DynamicSteps, StaticSteps, StepsError, capacity, choose_buckets, default_buckets,
+                               make_steps)
 from engine.measure.costs import ModelCosts, PairCosts
 from engine.models import tiny_random_model
-from engine.core.steps import (DynamicSteps, StaticSteps, StepsError, capacity, choose_buckets, default_buckets,
-                          make_steps)
 
 DEVICE = os.environ.get("TREEVIZ_TEST_DEVICE", "cpu")
 TOL = dict(rtol=1e-5, atol=1e-4)  # logits have std ~4 on these models; fp32 rounding of a reordered sum is ~1e-6

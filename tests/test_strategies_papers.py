@@ -10,15 +10,15 @@ import random
 import pytest
 import torch
 
-from engine.decoder import Decoder
 from engine.core.drafter import Drafter
-from engine.models import tiny_random_pair
 from engine.core.sampling import Sampling
+from engine.core.trace import BONUS, ROOT
+from engine.core.tree import DraftTree
+from engine.decoder import Decoder
+from engine.models import tiny_random_pair
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
 from engine.strategies.ddtree import best_first_prefixes
 from engine.strategies.dyspec import dfs_order
-from engine.core.trace import BONUS, ROOT
-from engine.core.tree import DraftTree
 from engine.verify import VerificationError, make_verifier
 
 PAPER = ["dyspec", "salf", "eagle2", "ddtree", "delayed"]

@@ -8,7 +8,7 @@ from engine.decoder import Decoder
 from engine.models import load_pair, tiny_random_model, tiny_random_pair, tiny_tokenizer
 from engine.strategies import STRATEGIES, make_strategy
 from engine.training.talf import (TalfError, add_lora, load_adapter, node_path, soft_cross_entropy, target_tree_batch,
-                         tree_loss)
+                                  tree_loss)
 
 K, DEPTH, TOPK = 3, 3, 8
 

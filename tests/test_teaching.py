@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.session import RunSpec, start_run
 from engine.bench.sweep import MAX_POINTS, predicted_tokens_per_s, run_sweep, size_values
-from engine.measure.timeline import accepted_length_counts, parent_entropies, speedup, token_timeline, top_k_entropy
 from engine.core.trace import IterationCost, IterationRecord, NodeRecord, load_run
+from engine.measure.timeline import accepted_length_counts, parent_entropies, speedup, token_timeline, top_k_entropy
+from engine.session import RunSpec, start_run
 from treeviz.charts_teaching import acceptance_histogram_figure, entropy_sizes
 from treeviz.export import export_html, tree_replay_figure
 from treeviz.html import TOKEN_KIND_STYLE

@@ -186,6 +186,14 @@ def test_run_takes_strategy_parameters_by_name(client):
     assert default["params"]["k"] == STRATEGIES["linear"].presets["cpu"]["k"]  # left out: the preset's value
 
 
+def test_sweep_size_range_is_optional_in_the_api(client):
+    """Blank bounds take the strategy's own range, so the API must not require them."""
+    api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/sweep"]
+    params = {p["parameter_name"]: p for p in api["parameters"]}
+    for name in ("size_min", "size_max"):
+        assert params[name]["parameter_has_default"] and params[name]["parameter_default"] is None, params[name]
+
+
 def test_a_run_streams_several_updates(client, monkeypatch):
     """The tree streams while decoding (the tiny pair decodes 256 tokens in about a second: the throttle's interval
     is lowered here so that several updates fall inside the run; the app serves in this process)."""

@@ -15,8 +15,8 @@ from gradio_client import Client, handle_file  # noqa: E402
 from spaces.zero.gradio import error as zero_gpu_error  # noqa: E402  (how `spaces` builds its errors)
 
 from test_ui_support import app_url, backend  # noqa: E402
-from treeviz import handlers  # noqa: E402
 from engine.session import RunSpec  # noqa: E402
+from treeviz import handlers  # noqa: E402
 from treeviz.gpu import is_zero_gpu_error, zero_gpu_message  # noqa: E402
 from treeviz.replay import MAX_TRACE_MB  # noqa: E402
 

@@ -57,7 +57,8 @@ def test_race_two_lanes_winner_and_lane_times_are_decode_times(client):
     for lane in lanes:  # the lane times shown are the runs' measured decode times (engine.measure.metrics's total_s)
         assert lane["tokens"] == ar["tokens"] > 1 and lane["matches_ar"] is True
         assert lane["decode_s"] == pytest.approx(lane["tokens"] / lane["tokens_per_s"], rel=0.05)
-        # the replay's last token lands at the measured decode time (engine.measure.timeline spreads the loop's bookkeeping)
+        # the replay's last token lands at the measured decode time (engine.measure.timeline spreads the loop's
+        # bookkeeping)
         assert lane["finish_s"] == pytest.approx(lane["decode_s"], rel=0.05), lane
     assert tree["speedup_vs_ar"] == pytest.approx(ar["decode_s"] / tree["decode_s"], rel=0.05)
     assert "fair measurement" in status and "AR measured fresh" in status and "winner" in status

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.strategies import make_strategy
 from engine.core.tree import DraftTree
+from engine.strategies import make_strategy
 from engine.verify import VERIFIERS, VerificationError, compatible_verifiers, make_verifier, theory
 from engine.verify.specinfer import SpecInfer
 from exact import ROOT_TOKEN, FakeDrafter, ToyModel, emitted_law, max_error, outcomes

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from chisq import chi_square_pvalue
-from engine.strategies import make_strategy
 from engine.core.tree import DraftTree
+from engine.strategies import make_strategy
 from engine.verify import VERIFIERS, Verdict, VerificationError, make_verifier
 from engine.verify.base import TopDown, TorchRandom
 from engine.verify.khisti import _beats, selection_law

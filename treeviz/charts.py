@@ -1,9 +1,10 @@
 """The run's charts, drawn from its records: per-iteration charts, throughput beside AR, and the teaching panels —
 draft calibration (DySpec's Hypothesis 1) and this machine's costs.
 
-All read only engine.core.trace records, so a gallery trace or an uploaded one shows them with no model loaded. The run-level
-numbers are the engine's (RunResult.metrics); the calibration cells are engine.measure.metrics.calibration's; the costs are
-the engine's per-iteration `IterationRecord.cost` (predicted from the measured cost table beside measured seconds).
+All read only engine.core.trace records, so a gallery trace or an uploaded one shows them with no model loaded. The
+run-level numbers are the engine's (RunResult.metrics); the calibration cells are engine.measure.metrics.calibration's;
+the costs are the engine's per-iteration `IterationRecord.cost` (predicted from the measured cost table beside measured
+seconds).
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from typing import Any, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.measure.metrics import DRIFT_TOLERANCE, calibration, cost_drift, drift_off
 from engine.core.trace import RunResult
+from engine.measure.metrics import DRIFT_TOLERANCE, calibration, cost_drift, drift_off
 from treeviz.html import ar_source_text
 
 # -- per-run charts ------------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from engine.measure.timeline import accepted_length_counts, parent_entropies
 from engine.core.trace import TOP_K, IterationRecord, RunResult
+from engine.measure.timeline import accepted_length_counts, parent_entropies
 from treeviz.charts import SERIES_COLORS
 
 MAX_ENTROPY = math.log(TOP_K + 1)  # the largest a top-10 list with its rest lumped can reach
@@ -47,8 +47,8 @@ def acceptance_histogram_figure(runs: Sequence[tuple[str, RunResult]]) -> go.Fig
 
 
 def entropy_sizes(iteration: IterationRecord, smallest: float = 9.0, largest: float = 26.0) -> dict[int, float]:
-    """Marker size per node id from the draft's entropy at the node's parent (engine.measure.timeline.parent_entropies): big
-    where the draft was unsure, small where it was sure. The scale is fixed, not per tree, so sizes compare across
+    """Marker size per node id from the draft's entropy at the node's parent (engine.measure.timeline.parent_entropies):
+    big where the draft was unsure, small where it was sure. The scale is fixed, not per tree, so sizes compare across
     iterations: 0 nats -> `smallest`, MAX_ENTROPY (ten equal tokens plus an equal rest) -> `largest`. A node with no
     entropy (the root, a parent the draft did not expand) gets the middle size. ENTROPY_NOTE is the caption."""
     middle = (smallest + largest) / 2

@@ -1,11 +1,11 @@
 """Errors as the user reads them: one plain sentence each; tracebacks go to the server log only."""
 from __future__ import annotations
 
+from engine.core.sampling import SamplingError
+from engine.core.trace import TraceError
 from engine.decoder import PromptError
 from engine.models import ModelLoadError
-from engine.core.sampling import SamplingError
 from engine.strategies.base import StrategyError
-from engine.core.trace import TraceError
 from engine.verify import VerificationError
 
 

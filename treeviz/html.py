@@ -183,8 +183,8 @@ SOURCE_NAMES = {"model": "draft", "lookup": "lookup", "both": "draft + lookup"}
 
 
 def source_cells(by_source: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
-    """Acceptance per proposing source (engine/measure/metrics.py), as (label, "rate (accepted/drafted)") cells: only when the
-    run has lookup nodes (a draft-only run's single source repeats the acceptance cell)."""
+    """Acceptance per proposing source (engine/measure/metrics.py), as (label, "rate (accepted/drafted)") cells: only
+    when the run has lookup nodes (a draft-only run's single source repeats the acceptance cell)."""
     if not set(by_source) & {"lookup", "both"}:
         return []
     return [(f"acceptance · {SOURCE_NAMES.get(name, name)}", f"{s['rate']:.2f} ({s['accepted']}/{s['drafted']})")

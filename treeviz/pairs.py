@@ -9,9 +9,9 @@ import traceback
 from typing import Any
 
 from engine.capture.packages import missing, prepare_capture
-from engine.models.builder import build_request, start_builder
-from engine.models import PAIRS, load_pair
 from engine.core.runtime import cache_dir
+from engine.models import PAIRS, load_pair
+from engine.models.builder import build_request, start_builder
 from engine.session import AR, RunSpec, split_pair, start_run
 from treeviz.compute_thread import COMPUTE
 from treeviz.errors import UserError, friendly_error

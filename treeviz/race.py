@@ -3,8 +3,8 @@ run decoded it.
 
 The runs were warmed up (a short untimed run each, as the bench does), then decoded unobserved (nothing drawn while
 they ran, so the drawing cost no decoding time) and are REPLAYED here from their measured timestamps
-(engine.measure.timeline.token_timeline): every iteration's committed tokens appear at the cumulative measured time of that
-iteration, so a lane finishes at its run's measured decode time. The animation's frames sit on one uniform clock
+(engine.measure.timeline.token_timeline): every iteration's committed tokens appear at the cumulative measured time of
+that iteration, so a lane finishes at its run's measured decode time. The animation's frames sit on one uniform clock
 shared by every lane; "1×" plays them in real time.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import plotly.graph_objects as go
 
-from engine.measure.timeline import decode_time, speedup, token_timeline
 from engine.core.trace import RunResult
+from engine.measure.timeline import decode_time, speedup, token_timeline
 from treeviz.html import TOKEN_KIND_STYLE
 
 AR = "ar"
@@ -92,8 +92,8 @@ def race_summary(runs: Sequence[tuple[str, RunResult]]) -> dict[str, Any]:
 
 
 def winner(lanes: list[Lane]) -> Lane:
-    """The fastest lane by tokens/s (engine.measure.metrics's): the shortest decode time when the runs wrote the same number
-    of tokens, and still fair when sampling made them write different numbers."""
+    """The fastest lane by tokens/s (engine.measure.metrics's): the shortest decode time when the runs wrote the same
+    number of tokens, and still fair when sampling made them write different numbers."""
     return max(lanes, key=lambda lane: lane.run.metrics.get("tokens_per_s") or 0.0)
 
 

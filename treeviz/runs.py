@@ -9,8 +9,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator
 
-from engine.session import AR, RunSpec, start_run
 from engine.core.trace import RunResult
+from engine.session import AR, RunSpec, start_run
 from treeviz.ar_cache import ARCache, Baseline, attach_comparison
 from treeviz.compute_thread import COMPUTE
 from treeviz.pairs import PairManager

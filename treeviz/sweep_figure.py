@@ -1,5 +1,5 @@
-"""The trade-off curves of a sweep (engine.bench.sweep): L̄, acceptance and tokens/s against the strategy's size knob, with
-AR's tokens/s as a line, the cost model's prediction beside the measurement, and the measured peak marked.
+"""The trade-off curves of a sweep (engine.bench.sweep): L̄, acceptance and tokens/s against the strategy's size knob,
+with AR's tokens/s as a line, the cost model's prediction beside the measurement, and the measured peak marked.
 
 Reads only the sweep's plain data (a live sweep or a precomputed assets/traces/sweeps/sweep_*.json).
 """

@@ -16,9 +16,9 @@ from typing import Any, Iterator
 
 import gradio as gr
 
+from engine.bench.sweep import DEFAULT_POINTS, MAX_POINTS, run_sweep, size_param, size_values
 from engine.session import AR, WARM_UP_TOKENS, RunSpec, check_spec
 from engine.strategies import STRATEGIES
-from engine.bench.sweep import MAX_POINTS, run_sweep, size_param, size_values
 from treeviz.ar_cache import attach_comparison
 from treeviz.errors import USER_FACING
 from treeviz.gpu import GPU_SECONDS_MAX, gpu
@@ -173,9 +173,11 @@ def sweep_values(spec: RunSpec, size_min: Any, size_max: Any, points: Any) -> li
 
 
 def sweep(prompt: str, chat: bool, pair: str, strategy: str, preset: str, params: dict, max_new_tokens: float,
-          size_min: float | None, size_max: float | None, points: float, temperature: float, top_p: float,
-          top_k: float, seed: float, verifier: str, request: gr.Request) -> Iterator[tuple]:
-    """The strategy at several sizes of its size knob, plus AR, on the prompt: the curves grow run by run."""
+          size_min: float | None = None, size_max: float | None = None, points: float = DEFAULT_POINTS,
+          temperature: float = 0.0, top_p: float = 1.0, top_k: float = 0, seed: float = 0, verifier: str = "auto",
+          request: gr.Request = None) -> Iterator[tuple]:
+    """The strategy at several sizes of its size knob, plus AR, on the prompt: the curves grow run by run. A blank
+    size_min / size_max (None: optional in the API too) takes the strategy's own range."""
     spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, params)
     values = sweep_values(spec, size_min, size_max, points)

@@ -18,8 +18,8 @@ from typing import Any
 import gradio as gr
 import plotly.graph_objects as go
 
-from engine.strategies import STRATEGIES
 from engine.bench.sweep import DEFAULT_POINTS, MAX_POINTS
+from engine.strategies import STRATEGIES
 from treeviz import teaching_handlers
 from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
 from treeviz.export import export_html

@@ -5,10 +5,10 @@ An update costs the decoding twice: the handler builds it (snapshot, tree, text)
 before it resumes the generator, both on the decoding's cores; then the browser re-draws Plotly figures on the same
 machine when the page runs beside the server (a Space's visitor does not, a local user does). One update cost the
 decoding about 0.11 s on the 2-core machine (docs/experiments/design-measurements.md), so updates come at most
-every MIN_UPDATE_INTERVAL_S = 0.11 s / BUILD_SHARE, and further apart when one update costs more in this process: after an update that took u seconds from the start of its build until the
-generator resumed, the next waits at least u * (1 - BUILD_SHARE) / BUILD_SHARE (u / (u + wait) <= BUILD_SHARE).
-Iterations in between are not lost: each update shows the run so far, and the final view and the trace hold every
-iteration.
+every MIN_UPDATE_INTERVAL_S = 0.11 s / BUILD_SHARE, and further apart when one update costs more in this process: after
+an update that took u seconds from the start of its build until the generator resumed, the next waits at least u * (1 -
+BUILD_SHARE) / BUILD_SHARE (u / (u + wait) <= BUILD_SHARE). Iterations in between are not lost: each update shows the
+run so far, and the final view and the trace hold every iteration.
 """
 from __future__ import annotations
 

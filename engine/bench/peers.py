@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from engine.models import ModelPair
 from engine.core.prompts import encode_prompt
 from engine.core.runtime import synchronize
+from engine.models import ModelPair
 
 
 def hf_assisted(pair: ModelPair, prompt, max_new_tokens: int, stop_on_eos: bool = True) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 budget), plus one AR run, on one prompt, every run through engine.session (the one run recipe).
 
 Bigger trees accept more tokens per target pass (L̄ up) but cost more per iteration (draft forwards, verification
-rows); tokens/s peaks somewhere between. Each point records the engine's metrics (engine.measure.metrics via RunResult) and,
-when the pair has a measured cost table, the cost model's prediction of the same run's tokens/s, so measurement and
+rows); tokens/s peaks somewhere between. Each point records the engine's metrics (engine.measure.metrics via RunResult)
+and, when the pair has a measured cost table, the cost model's prediction of the same run's tokens/s, so measurement and
 model sit side by side.
 """
 from __future__ import annotations

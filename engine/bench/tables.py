@@ -6,8 +6,8 @@ peer of the `lookup` strategy. Both run greedily only. A method names a strategy
 and a preset: "dynatree+lookup@auto" is DynaTree with lookup grafted (engine/strategies/graft.py) on its auto preset,
 "dynatree-history" DynaTree with its history adaptation off, so variants of one strategy compare on the same prompts
 in one run, interleaved.
-Every method takes the pair's captured steps where it has them (engine/capture/packages.py); "dynatree/eager" runs a method
-with them off, so captured and eager compare on the same prompts. The ARs: `ar` (the engine's loop, on the pair's
+Every method takes the pair's captured steps where it has them (engine/capture/packages.py); "dynatree/eager" runs a
+method with them off, so captured and eager compare on the same prompts. The ARs: `ar` (the engine's loop, on the pair's
 steps), `ar-eager` (the same loop, eager: beside it wherever the pair has captured steps), `ar-captured` (the
 target's one-row captured step in a bare loop, engine/capture/captured_ar.py: wherever it exists) and `ar-compiled` (AR
 through torch.compile, engine/capture/compiled.py: an independent build of the same one-row recipe, with `compiled_ar`
@@ -23,17 +23,17 @@ from typing import Any, Callable
 
 import torch
 
-from engine.capture.compiled import CompiledAR, compile_available
-from engine.capture.captured_ar import CapturedAR, has_captured_step
-from engine.measure.metrics import (DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off,
-                            lookup_work)
-from engine.models import ModelPair
-from engine.core.prompts import encode_prompt, load_prompt_set
 from engine.bench.peers import hf_assisted, hf_prompt_lookup
+from engine.capture.captured_ar import CapturedAR, has_captured_step
+from engine.capture.compiled import CompiledAR, compile_available
+from engine.core.prompts import encode_prompt, load_prompt_set
 from engine.core.sampling import Sampling
+from engine.core.trace import RunResult
+from engine.measure.metrics import (DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off,
+                                    lookup_work)
+from engine.models import ModelPair
 from engine.session import RunSpec, generate
 from engine.strategies import STRATEGIES, StrategyError
-from engine.core.trace import RunResult
 from engine.verify import Verifier
 
 HF_ASSISTED = "hf-assisted"

@@ -1,6 +1,6 @@
 """AR at its fastest: the target's one-row captured step (a CPU package compiled ahead of time, or a CUDA graph;
-engine/capture/packages.py), in a loop that does nothing else -- no tree, no records, one host read of the next token per
-step. The bench's `ar-captured` baseline.
+engine/capture/packages.py), in a loop that does nothing else -- no tree, no records, one host read of the next token
+per step. The bench's `ar-captured` baseline.
 
 The engine's own AR (strategy "ar") takes the same captured step wherever the pair has one, but builds an
 IterationRecord per token for the app's views; the bench divides by the faster of the two, so that loop's

@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 from engine.capture.aoti import (MAX_ROWS, CaptureError, Recipe, build, compiler_missing, load, package_file,
-                                package_key, read_meta, write_meta)
+                                 package_key, read_meta, write_meta)
 from engine.core.kernels import INT4_GROUP, available_memory, linear_bytes, router_of
 from engine.core.runtime import synchronize
 from engine.core.steps import LADDER, StaticSteps, graph_capacity
 from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, machine_load, model_identity, probe_ids, spans,
-                                 table_file, table_key, write_json)
+                                  table_file, table_key, write_json)
 
 MODES = ("auto", "on", "off")
 QUANTISED = ("int4", "int8")

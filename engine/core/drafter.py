@@ -33,9 +33,9 @@ class Drafter:
         self.cached = 0  # committed tokens held in the draft cache
         self.forwards = 0
         self.seconds = 0.0
-        # The neural selector's features (engine/strategies/selector.py), kept only when a strategy wants them: the q that drew
-        # the current root (`prev_dist`), from this iteration's root forward when the previous token is pending,
-        # else from the node the last iteration expanded there.
+        # The neural selector's features (engine/strategies/selector.py), kept only when a strategy wants them: the q
+        # that drew the current root (`prev_dist`), from this iteration's root forward when the previous token is
+        # pending, else from the node the last iteration expanded there.
         self.taps = None
         self.prev_dist: torch.Tensor | None = None
         self.dists: dict[int, torch.Tensor] = {}

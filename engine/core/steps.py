@@ -15,8 +15,8 @@ DynamicSteps is the eager path: a transformers DynamicCache that grows by concat
 exactly the cached columns, rollback by row copy then crop (engine/core/kv.py).
 
 StaticSteps preallocates the cache (`max_len` positions) and runs each forward on one of three routes:
-  captured  a CPU package compiled ahead of time (engine/capture/aoti.py, through `captured`, the model's CapturedModel):
-            exactly n rows, or padded to its bucket;
+  captured  a CPU package compiled ahead of time (engine/capture/aoti.py, through `captured`, the model's
+            CapturedModel): exactly n rows, or padded to its bucket;
   graphed   a CUDA graph of the bucket's forward (engine/core/cuda_graphs.py), replayed after the inputs are copied in;
   eager     the model called on the static cache, padded to its bucket where one holds it (so CPU tests exercise
             what graphs replay), at its own size beyond every bucket (a prefill, the draft's first forward).
@@ -160,8 +160,8 @@ class Route:
 class StaticSteps:
     """A preallocated cache of `max_len` positions; forwards routed as the module docstring says.
 
-    `captured`: the model's CapturedModel (engine/capture/packages.py), whose packages take any cache; `graphs`: capture a
-    CUDA graph per bucket on this object's own tensors. A forward that would not fit grows the cache (double, or
+    `captured`: the model's CapturedModel (engine/capture/packages.py), whose packages take any cache; `graphs`: capture
+    a CUDA graph per bucket on this object's own tensors. A forward that would not fit grows the cache (double, or
     what it needs): a new allocation, the valid rows copied over, graphs captured again -- correct but slow, so size
     `max_len` for the run (`capacity`)."""
     kind = "static"

@@ -56,8 +56,8 @@ NODE_DEFAULTS = {f.name: f.default if f.default is not MISSING else f.default_fa
 
 @dataclass
 class IterationCost:
-    """An iteration's draft and verify seconds as the measured cost table predicted them (engine/measure/costs.py), beside
-    the seconds they took: the cost panel, the drift check and the `auto` sizer read them."""
+    """An iteration's draft and verify seconds as the measured cost table predicted them (engine/measure/costs.py),
+    beside the seconds they took: the cost panel, the drift check and the `auto` sizer read them."""
     draft_rows: list[int]                # rows of each draft forward
     verify_rows: int                     # rows of the target's verification forward
     predicted_draft_s: float

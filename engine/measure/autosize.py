@@ -5,9 +5,9 @@ iteration the sizer asks the strategy, for each size m it accepts (`Strategy.siz
 observed, what its own construction rule would have done at m (`Strategy.cost_at`, engine/strategies/sizing.py):
 which of the observed nodes it keeps (so how many accepted tokens survive), its draft forwards and their rows, and
 the verify rows. Tokens = the kept accepted nodes + the bonus; seconds = those forwards priced by the measured cost
-table at the iteration's context length (engine/measure/costs.py), scaled by how far the window's measured draft and verify
-times are from the table's predictions (the machine's speed drifts between hours; the table gives the shape, the run
-the scale), + the iteration's measured overhead outside both, pro rata to the rows kept (tree bookkeeping grows with
+table at the iteration's context length (engine/measure/costs.py), scaled by how far the window's measured draft and
+verify times are from the table's predictions (the machine's speed drifts between hours; the table gives the shape, the
+run the scale), + the iteration's measured overhead outside both, pro rata to the rows kept (tree bookkeeping grows with
 the tree; charging every m the whole tree's overhead would favour large trees).
 Over a window of recent iterations the size m* with the highest predicted tokens/s wins, and the next tree gets room
 to grow past it: size = the smallest accepted size >= ceil(GROWTH · m*), set only through `Strategy.resize`.
@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from engine.core.trace import BONUS, IterationRecord
 from engine.measure.costs import PairCosts
 from engine.measure.metrics import cost_ratios, drift_evidence
 from engine.strategies.sizing import Sample, SizeCost
-from engine.core.trace import BONUS, IterationRecord
 
 WINDOW = 12  # iterations of evidence; long enough to average acceptance, short enough to follow the text
 GROWTH = 1.25  # headroom above the best observed size, so larger trees keep being tried

@@ -6,9 +6,8 @@ So they are measured, once per (machine, model, dtype, torch version, threads), 
 cache_dir()/costs; `recalibrate=True` measures again.
 
 A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each of CONTEXTS), then time forwards
-of 1, 2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/core/kernels.py),
-fastest of REPEATS
-(after one discarded warm-up call per path). The cache is rolled back after each call, so every call sees the same
+of 1, 2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn
+(engine/core/kernels.py), fastest of REPEATS (after one discarded warm-up call per path). The cache is rolled back after each call, so every call sees the same
 prefix. On CUDA, timing synchronises the device and the only path is torch's own. Where runs replay CUDA graphs
 (engine/core/steps.py) the table is measured through those same steps, one graph per rung (engine/capture/packages.py
 `measure_graphed`): a GPU's
@@ -116,8 +115,8 @@ def interpolate(points: dict[int, float], rows: int) -> float:
 @dataclass
 class ModelCosts:
     """Median forward seconds of one model: seconds[path][rows] for each eager kernel path; `captured[context][rows]`
-    through its captured steps (engine/capture/packages.py), and `serves`: the row counts those serve (only where faster) ->
-    the rows each actually runs (a static package pads to its bucket)."""
+    through its captured steps (engine/capture/packages.py), and `serves`: the row counts those serve (only where
+    faster) -> the rows each actually runs (a static package pads to its bucket)."""
     name: str
     seconds: dict[str, dict[int, float]]
     measured: bool = False  # measured in this process (False: read from the disk cache)

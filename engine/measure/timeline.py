@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.measure.metrics import compare_outputs
 from engine.core.trace import IterationRecord, NodeRecord, RunResult
+from engine.measure.metrics import compare_outputs
 
 PREFILL, ACCEPTED, BONUS = "prefill", "accepted", "bonus"
 
@@ -61,8 +61,9 @@ def decode_time(run: RunResult) -> float:
 
 
 def speedup(run: RunResult, ar: RunResult) -> float | None:
-    """How many times faster `run` decoded than the AR run `ar` of the same prompt: engine.measure.metrics's speedup_vs_ar
-    (tokens/s over AR's tokens/s), which is AR's decode time ÷ the run's when both wrote the same number of tokens."""
+    """How many times faster `run` decoded than the AR run `ar` of the same prompt: engine.measure.metrics's
+    speedup_vs_ar (tokens/s over AR's tokens/s), which is AR's decode time ÷ the run's when both wrote the same number
+    of tokens."""
     return compare_outputs(run, ar).get("speedup_vs_ar")
 
 

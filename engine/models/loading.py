@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerBase
 
-from engine.measure.costs import calibrate_pair, measure
+from engine.capture.packages import capture_backend, measure_graphed
+from engine.core.attention import use_tree_sdpa
 from engine.core.kernels import (PackingError, check_quant_mode, pack_linears, packed_dtype, quantize_linears,
-                            route_linears, should_pack)
+                                 route_linears, should_pack)
+from engine.measure.costs import calibrate_pair, measure
 from engine.models.devices import cpu_has_fast_bf16, resolve_device, resolve_dtype
 from engine.models.packaged import (LOAD_WORK, PACKAGED, preparation_work, prepared_model_dir,
                                     require_gguf_support)
@@ -36,10 +38,8 @@ from engine.models.pair import ModelLoadError, ModelPair, check_rollbackable, ch
 from engine.models.progress import Progress, say, span
 from engine.models.shapes import is_shape_spec, load_shape
 from engine.models.tiny import is_tiny_spec, load_tiny
-from engine.models.widths import match_draft_width
-from engine.core.attention import use_tree_sdpa
-from engine.capture.packages import capture_backend, measure_graphed
 from engine.models.vocab import VocabError, draft_vocab_ids, parse_draft_vocab, trim_head
+from engine.models.widths import match_draft_width
 
 
 def _same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
@@ -209,10 +209,10 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     "auto": both, and nothing on other devices), used at the row counts where the cost table measured them faster.
     calibrate: measure (or read from the disk cache) each model's forward cost per row count and path, and route
     every call to its fastest path (engine/measure/costs.py); recalibrate measures again.
-    capture: "auto" | "on" | "off" -- whether runs on this pair take captured steps (engine/capture/packages.py): CPU packages
-    compiled ahead of time (built and measured by `prepare_capture`, which the caller runs when it suits it: the app
-    in the background), or CUDA graphs (only with "on" until a GPU run validates them; the cost table is then measured
-    on the graphed steps). Default "off".
+    capture: "auto" | "on" | "off" -- whether runs on this pair take captured steps (engine/capture/packages.py): CPU
+    packages compiled ahead of time (built and measured by `prepare_capture`, which the caller runs when it suits it:
+    the app in the background), or CUDA graphs (only with "on" until a GPU run validates them; the cost table is then
+    measured on the graphed steps). Default "off".
     """
     t0 = time.perf_counter()
     device = resolve_device(device)

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.measure.costs import PairCosts
 from engine.core.kernels import router_of
+from engine.measure.costs import PairCosts
 
 
 class ModelLoadError(ValueError):
@@ -40,7 +40,8 @@ class ModelPair:
     costs: PairCosts | None = None  # measured forward costs (engine/measure/costs.py); None: not calibrated
     draft_vocab: int | None = None  # the draft scores only this many frequent tokens (engine/models/vocab.py)
     draft_quant: str = "none"  # weight-only quantised paths of the draft's linears: none | int8 | int4 | auto
-    # How runs capture their forwards (engine/capture/packages.py): "aoti" (CPU packages), "cuda-graphs", or None (eager)
+    # How runs capture their forwards (engine/capture/packages.py): "aoti" (CPU packages), "cuda-graphs", or None
+    # (eager)
     capture: str | None = None
     # role -> CapturedModel: the CPU packages loaded and the row counts they serve (set by prepare_capture)
     captured: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

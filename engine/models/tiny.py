@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from engine.core.attention import use_tree_sdpa
 from engine.capture.packages import capture_backend
+from engine.core.attention import use_tree_sdpa
 from engine.core.kernels import pack_linears
 from engine.models.devices import resolve_device, resolve_dtype
 from engine.models.pair import ModelLoadError, ModelPair

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 import torch
 
 from engine.core.drafter import Drafter
-from engine.strategies.sizing import Sample, SizeCost, by_levels
 from engine.core.tree import DraftTree
+from engine.strategies.sizing import Sample, SizeCost, by_levels
 
 
 class StrategyError(ValueError):

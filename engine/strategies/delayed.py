@@ -29,8 +29,8 @@ class Delayed(Strategy):
     label = "Delayed tree expansion"
     summary = "A trunk of L1 draft tokens, then K i.i.d. sampled draft paths of L2 tokens from its end."
     child_mode = "iid"  # per instance: "without_replacement" when that option is on
-    # A trained engine.strategies.selector.Selector; None: the shipped one of the run's rule, loaded at the first choice. A
-    # caller (a test, an evaluation) may set its own; reset() between runs keeps it.
+    # A trained engine.strategies.selector.Selector; None: the shipped one of the run's rule, loaded at the first
+    # choice. A caller (a test, an evaluation) may set its own; reset() between runs keeps it.
     selector: neural.Selector | None = None
     params = (
         Param("k", 3, 1, 16, 1, "K (branches)", "i.i.d. paths drawn at the branching point"),

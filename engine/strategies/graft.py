@@ -11,17 +11,17 @@ naming its own tree builder `build_model(drafter, tree, budget)` (DynaTree, DySp
   model path reuses those nodes, marked "both", and goes on below them); then, with room left, below the model's most
   probable leaf, looked up with that leaf's path as context (the model's best guess, continued from the context).
 - The gate (`lookup_gate`, on by default with the switch), from this run's record (`LookupGate`, learned every
-  iteration from what was committed) and the pair's measured cost table (engine/measure/costs.py; never wall time, so the
-  choice is a function of the context and a seeded run repeats):
+  iteration from what was committed) and the pair's measured cost table (engine/measure/costs.py; never wall time, so
+  the choice is a function of the context and a seeded run repeats):
   - an iteration whose context the lookup matches may skip the draft model altogether and verify the lookup's tree
     alone (the whole budget), when that is expected to decode faster: tokens per predicted second, lookup alone at
     the current match length against the model's tree;
   - a model iteration gets no lookup rows when the lookup's expected tokens at this match length are worth less
     than the verification time its rows add, at the model's rate.
 - Lossless: lookup children are deterministic ("topk") and are never added beside sampled siblings
-  (engine/core/lookup.py). DynaTree, DySpec and DDTree draw "topk" children only, so a grafted tree holds "topk" children
-  only and the rules that accept the model's trees accept it (greedy, token matching / NSS, NaiveTree, SpecInfer,
-  Traversal; SpecTr and Khisti refuse "topk"). `child_modes_used` lists "topk" whenever the switch is on.
+  (engine/core/lookup.py). DynaTree, DySpec and DDTree draw "topk" children only, so a grafted tree holds "topk"
+  children only and the rules that accept the model's trees accept it (greedy, token matching / NSS, NaiveTree,
+  SpecInfer, Traversal; SpecTr and Khisti refuse "topk"). `child_modes_used` lists "topk" whenever the switch is on.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import time
 from typing import Any
 
 from engine.core.lookup import LookupIndex, build_lookup_tree, follow
-from engine.strategies.base import Param
 from engine.core.tree import DraftTree
+from engine.strategies.base import Param
 
 MAX_MATCH = 6    # longest context suffix looked up
 MAX_LEN = 8      # tokens taken after each match

@@ -1,8 +1,8 @@
 """What a tree of another size would have cost and given: the pieces each strategy's `cost_at` is made of.
 
-The `auto` sizer (engine/measure/autosize.py) keeps recent iterations as `Sample`s and asks the strategy, for each candidate
-value m of its size knob, what its own construction rule would have spent at m (draft forwards and their rows, verify
-rows) and which of the observed tree's nodes it would have kept (so how many accepted tokens survive). Strategies
+The `auto` sizer (engine/measure/autosize.py) keeps recent iterations as `Sample`s and asks the strategy, for each
+candidate value m of its size knob, what its own construction rule would have spent at m (draft forwards and their rows,
+verify rows) and which of the observed tree's nodes it would have kept (so how many accepted tokens survive). Strategies
 differ: a level-by-level builder under a node budget keeps its first m nodes and pays one draft forward per level
 they reach; EAGLE-2 pays depth + 1 forwards whatever N is; SALF pays rounds of B nodes; DDTree follows its top-1
 chain only as deep as the kept prefixes reach.

@@ -1,4 +1,5 @@
-"""The neural selector's training (engine/strategies/selector.py is what runs at decode time): its targets and objective.
+"""The neural selector's training (engine/strategies/selector.py is what runs at decode time): its targets and
+objective.
 
 Targets (`scripts/selector_data.py`): at each root of real runs, one cover tree (`grow_cover`) holds an exact
 (K, L1, L2) delayed tree for every action by prefix sharing, and each action's block efficiency is Eq. 3's inner sum

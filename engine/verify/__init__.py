@@ -1,8 +1,8 @@
 """Verification rules, one module each, all behind `engine.verify.base.Verifier`.
 
 greedy (temperature 0) | token_matching / nss | naive (chain), naive_tree | specinfer | spectr | khisti |
-block (chain) | traversal. `default_verifier` picks greedy at temperature 0, token matching for deterministic children and SpecInfer
-for sampled ones. May import: the core (contract `engine-rooms`).
+block (chain) | traversal. `default_verifier` picks greedy at temperature 0, token matching for deterministic children
+and SpecInfer for sampled ones. May import: the core (contract `engine-rooms`).
 """
 from engine.verify.base import TargetDists, Verdict, VerificationError, Verifier
 from engine.verify.block import BlockVerification
