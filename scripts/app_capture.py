@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 START = time.monotonic()
@@ -87,6 +88,8 @@ def main(argv=None) -> None:
         tree = sum(r["tree_s"] for r in report["races"])
         report["set_speedup"] = round(ar / tree, 3)  # total AR time / total tree time over the set (same tokens)
         print(f"{args.strategy} over the set: {report['set_speedup']}x AR ({ar:.1f} s vs {tree:.1f} s)")
+    report["max_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # Linux: KiB
+    print(f"peak resident memory of the app's process: {report['max_rss_gib']} GiB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -27,7 +27,7 @@ def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
 def test_compare_ar_warms_up_and_interleaves(monkeypatch, capsys):
     """--compare-ar: a short warm-up run of AR and of the method, then AR and the method alternately
     --compare-repeats times; the fastest of each is compared, and the summary says so."""
-    from engine.bench.tables import tables as bench
+    from engine.bench import tables as bench
     calls = []
     real = bench.generate
 
