@@ -8,6 +8,10 @@ run of this module spends a minute or two compiling), which is itself tested.
 """
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -155,6 +159,32 @@ def test_a_package_is_compiled_once_and_loaded_after(pair, monkeypatch):
     monkeypatch.setattr("engine.capture.packages.build", refuse)
     again = prepare_model(pair.target, pair.target_name, "target")
     assert [p.compile_s for p in again.packages] == [None, None] and not any("failed" in n for n in again.notes)
+
+
+def test_loading_a_package_leaves_nothing_unpacked(pair, monkeypatch):
+    """torch's loader unpacks a package under $TMPDIR and removes it only when the runner is collected (never, in a
+    process that ends with it alive: 6 GB per app start for the default pair). Loading must leave nothing behind,
+    keep TMPDIR as it was, and give a runner that still runs."""
+    real = torch._inductor.aoti_load_package
+    unpacked = []
+
+    def loader(path):  # the C++ loader's behaviour, made visible: a folder under $TMPDIR that outlives the call
+        folder = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / f"aotinductor_{len(unpacked)}"
+        folder.mkdir()
+        (folder / "model.so").write_bytes(b"unpacked")
+        unpacked.append(folder)
+        return real(path)
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", loader)
+    before = os.environ.get("TMPDIR")
+    again = prepare_model(pair.target, pair.target_name, "target")
+    assert len(unpacked) == len(again.packages) and not any(folder.exists() for folder in unpacked)
+    assert os.environ.get("TMPDIR") == before
+    greedy = spec("dynatree", Sampling())
+    expected = generate(pair, greedy).output_ids
+    again.serve_all()
+    monkeypatch.setitem(pair.captured, "target", again)  # the runners loaded above, their unpacked folders gone
+    assert generate(pair, greedy).output_ids == expected
 
 
 def test_packages_are_keyed_by_the_weights():

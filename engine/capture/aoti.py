@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -191,9 +192,30 @@ def build(model, recipe: Recipe, file: Path) -> float:
 
 
 def load(file: Path):
-    """The package's runner: call it as Step.forward."""
-    runner = torch._inductor.aoti_load_package(str(file))
+    """The package's runner: call it as Step.forward.
+
+    torch unpacks a package into a temporary folder that it removes only when the runner is collected, which never
+    happens in a process that exits or is killed with the runner alive: every start of the app would leave 6 GB
+    behind. So it unpacks into a folder of our own, removed as soon as the runner is loaded (its library and weights
+    stay mapped; the space is returned when the process ends, however it ends)."""
+    tempfile.gettempdir()  # fix Python's own temporary folder before TMPDIR points elsewhere for a moment
+    with tempfile.TemporaryDirectory(prefix="treeviz-aoti-") as folder, _unpacking_into(folder):
+        runner = torch._inductor.aoti_load_package(str(file))
     return lambda *args: runner(*args)
+
+
+@contextmanager
+def _unpacking_into(folder: str):
+    """TMPDIR (where the package loader, in C++, creates its folder) set to `folder` for the duration."""
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = saved
 
 
 def write_meta(file: Path, key: dict, compile_s: float) -> None:
