@@ -197,21 +197,26 @@ def measure_captured(model, captured: CapturedModel, ladder, prefix: int, repeat
     try:
         ids = probe_ids(model, prefix + max(rungs)).tolist()
         steps = StaticSteps(model, prefix + max(rungs) + 8, (1,), captured=captured)
-        samples: dict[int, list[float]] = {r: [] for r in rungs}
-        device = steps.device
-        with torch.inference_mode():
-            steps.prefill(ids[:prefix])
-            for sweep in range(repeats + 1):
-                for rows in rungs:
-                    synchronize(device)
-                    start = time.perf_counter()
-                    steps.forward(ids[prefix:prefix + rows], list(range(prefix, prefix + rows)))
-                    synchronize(device)
-                    if sweep:
-                        samples[rows].append(time.perf_counter() - start)
-                    steps.keep(prefix, [])
+        return time_rungs(steps, ids, prefix, rungs, repeats)
     finally:
         captured.serves = saved
+
+
+def time_rungs(steps, ids: list[int], prefix: int, rungs, repeats: int) -> dict[int, float]:
+    """Seconds of a forward of each rung's row count through `steps` after a `prefix`-token prefill, synchronised,
+    the cache rolled back after each; fastest of `repeats` whole sweeps after one warm-up sweep."""
+    samples: dict[int, list[float]] = {r: [] for r in rungs}
+    with torch.inference_mode():
+        steps.prefill(ids[:prefix])
+        for sweep in range(repeats + 1):
+            for rows in rungs:
+                synchronize(steps.device)
+                start = time.perf_counter()
+                steps.forward(ids[prefix:prefix + rows], list(range(prefix, prefix + rows)))
+                synchronize(steps.device)
+                if sweep:
+                    samples[rows].append(time.perf_counter() - start)
+                steps.keep(prefix, [])
     return {r: min(v) for r, v in samples.items()}
 
 
@@ -224,27 +229,14 @@ def measure_graphed(model, paths: list[str], ladder=None, prefix: int | None = N
     measure's signature. (On a CPU the same static steps run eagerly: what the tests check.)"""
     ladder, prefix, repeats = ladder or LADDER, prefix or PREFIX, repeats or REPEATS
     ids = probe_ids(model, prefix + max(ladder)).tolist()
-    device = next(model.parameters()).device
-    graphs = device.type == "cuda"
+    graphs = next(model.parameters()).device.type == "cuda"
     pool = torch.cuda.graph_pool_handle() if graphs else None
     steps = StaticSteps(model, graph_capacity(prefix + max(ladder)), tuple(ladder), graphs=graphs, pool=pool)
-    samples: dict[int, list[float]] = {r: [] for r in ladder}
     try:
-        with torch.inference_mode():
-            steps.prefill(ids[:prefix])
-            for sweep in range(repeats + 1):
-                for rows in ladder:
-                    synchronize(device)
-                    start = time.perf_counter()
-                    steps.forward(ids[prefix:prefix + rows], list(range(prefix, prefix + rows)))
-                    synchronize(device)
-                    if sweep:
-                        samples[rows].append(time.perf_counter() - start)
-                    steps.keep(prefix, [])
+        return {"plain": time_rungs(steps, ids, prefix, ladder, repeats)}
     finally:
         if steps.graphs is not None:
             steps.graphs.release()
-    return {"plain": {r: min(v) for r, v in samples.items()}}
 
 
 def captured_table(model, name: str, captured: CapturedModel, recalibrate: bool = False) -> dict[int, dict[int, float]]:
