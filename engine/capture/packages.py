@@ -20,20 +20,19 @@ eager path at each rung of the cost ladder, and a row count is served by it only
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from engine.capture.aoti import (MAX_ROWS, CaptureError, Recipe, build, compiler_missing, load, package_file,
+from engine.capture.aoti import (MAX_ROWS, Recipe, build, compiler_missing, load, package_file,
                                  package_key, read_meta, write_meta)
 from engine.core.kernels import INT4_GROUP, available_memory, linear_bytes, router_of
 from engine.core.runtime import synchronize
 from engine.core.steps import LADDER, StaticSteps, graph_capacity
-from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, machine_load, model_identity, probe_ids, spans,
-                                  table_file, table_key, write_json)
+from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, machine_load, model_identity, probe_ids,
+                                  read_cached, spans, table_file, table_key, write_json)
 
 MODES = ("auto", "on", "off")
 QUANTISED = ("int4", "int8")
@@ -174,7 +173,7 @@ def prepare_model(model, name: str, role: str, progress=None) -> CapturedModel:
                                   "a minute or two)")
             try:
                 compile_s = build(model, recipe, file)
-            except (CaptureError, Exception) as err:  # noqa: BLE001 - inductor's failures are many; stay eager
+            except Exception as err:  # noqa: BLE001 - inductor's failures (CaptureError among them) are many
                 notes.append(f"{recipe.describe()}: left eager, compiling failed ({type(err).__name__}: "
                              f"{str(err)[:160]})")
                 continue
@@ -183,8 +182,9 @@ def prepare_model(model, name: str, role: str, progress=None) -> CapturedModel:
         start = time.perf_counter()
         runner = load(file)
         loaded.append(Package(recipe, runner, str(file), compile_s, time.perf_counter() - start, file.stat().st_size))
-        if compile_s is None and read_meta(file).get("compile_s") is not None:
-            notes.append(f"{recipe.describe()}: compiled by an earlier process in {read_meta(file)['compile_s']:.0f} s")
+        earlier = read_meta(file).get("compile_s") if compile_s is None else None
+        if earlier is not None:
+            notes.append(f"{recipe.describe()}: compiled by an earlier process in {earlier:.0f} s")
     return CapturedModel(loaded, notes=notes)
 
 
@@ -245,18 +245,17 @@ def captured_table(model, name: str, captured: CapturedModel, recalibrate: bool 
     device = next(model.parameters()).device
     key = {**table_key(model, name, model.dtype, device), "steps": "aoti",
            "packages": sorted(Path(p.file).stem for p in captured.packages)}
-    file = table_file(key)
-    if file.is_file() and not recalibrate:
+    data = None if recalibrate else read_cached(key)
+    if data is not None:
         try:
-            data = json.loads(file.read_text())
-            if data.get("key") == key:
-                return {int(c): {int(r): s for r, s in t.items()} for c, t in data["captured"].items()}
-        except (OSError, ValueError, KeyError, AttributeError):
-            pass
+            return {int(c): {int(r): s for r, s in t.items()} for c, t in data["captured"].items()}
+        except (ValueError, KeyError, AttributeError):
+            pass  # a damaged entry is measured again
     before = machine_load()
     table = {c: measure_captured(model, captured, LADDER, c, REPEATS) for c in (PREFIX, *CONTEXTS)}
-    write_json(file, {"key": key, "captured": {str(c): t for c, t in table.items()}, "measured_at": time.time(),
-                       "busy": max((b for b in (before, machine_load()) if b is not None), default=None)})
+    write_json(table_file(key), {"key": key, "captured": {str(c): t for c, t in table.items()},
+                                 "measured_at": time.time(),
+                                 "busy": max((b for b in (before, machine_load()) if b is not None), default=None)})
     return table
 
 

@@ -5,13 +5,13 @@ step / target step) and t(n) (verifying n rows / target step) are properties of 
 So they are measured, once per (machine, model, dtype, torch version, threads), and cached on disk in
 cache_dir()/costs; `recalibrate=True` measures again.
 
-A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each of CONTEXTS), then time forwards
-of 1, 2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn
-(engine/core/kernels.py), fastest of REPEATS (after one discarded warm-up call per path). The cache is rolled back after each call, so every call sees the same
-prefix. On CUDA, timing synchronises the device and the only path is torch's own. Where runs replay CUDA graphs
-(engine/core/steps.py) the table is measured through those same steps, one graph per rung (engine/capture/packages.py
-`measure_graphed`): a GPU's
-eager forwards cost what the host takes to launch them, which says nothing about a replay.
+A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each of CONTEXTS), then time forwards of 1,
+2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/core/kernels.py),
+fastest of REPEATS (after one discarded warm-up call per path). The cache is rolled back after each call, so every call
+sees the same prefix. On CUDA, timing synchronises the device and the only path is torch's own. Where runs replay CUDA
+graphs (engine/core/steps.py) the table is measured through those same steps, one graph per rung
+(engine/capture/packages.py `measure_graphed`): a GPU's eager forwards cost what the host takes to launch them, which
+says nothing about a replay.
 
 The table then decides three things: the routing (each row count to its fastest path), the predicted cost of an
 iteration (Σ draft forwards at their row counts + verification at the tree's size, interpolated between the
@@ -94,6 +94,15 @@ def table_key(model, name: str, dtype: torch.dtype, device: torch.device, graphs
 def table_file(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "costs" / f"{digest}.json"
+
+
+def read_cached(key: dict) -> dict | None:
+    """The entry stored under `key` (write_json), or None: none yet, damaged, or written for another key."""
+    try:
+        data = json.loads(table_file(key).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("key") == key else None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -213,18 +222,16 @@ def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, reca
     router = router_of(model)
     paths = list(router.paths) if router is not None else ["plain"]
     key = table_key(model, name, dtype, device, graphs)
-    file = table_file(key)
     stored: dict[str, dict[int, float]] = {}
     others: dict[int, dict[str, dict[int, float]]] = {}
     busy = None
-    if file.is_file() and not recalibrate:
+    data = None if recalibrate else read_cached(key)
+    if data is not None:
         try:
-            data = json.loads(file.read_text())
-            if data.get("key") == key:
-                stored = _table(data["seconds"])
-                others = {int(c): _table(t) for c, t in data.get("contexts", {}).items()}
-                busy = data.get("busy")
-        except (OSError, ValueError, KeyError, AttributeError):
+            stored = _table(data["seconds"])
+            others = {int(c): _table(t) for c, t in data.get("contexts", {}).items()}
+            busy = data.get("busy")
+        except (ValueError, KeyError, AttributeError):
             stored, others = {}, {}  # a damaged cache entry is measured again
     measured = False
     for context, table in [(PREFIX, stored)] + [(c, others.setdefault(c, {})) for c in CONTEXTS]:
@@ -237,8 +244,9 @@ def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, reca
             busy = max(b for b in (before, after, busy) if b is not None) if before is not None else None
             measured = True
     if measured:
-        write_json(file, {"key": key, "seconds": stored, "contexts": {str(c): t for c, t in others.items()},
-                           "measured_at": time.time(), "busy": busy})
+        write_json(table_file(key), {"key": key, "seconds": stored,
+                                     "contexts": {str(c): t for c, t in others.items()},
+                                     "measured_at": time.time(), "busy": busy})
     return ModelCosts(name, {p: stored[p] for p in paths}, measured=measured, busy=busy,
                       contexts={c: {p: t[p] for p in paths} for c, t in others.items() if c in CONTEXTS})
 
@@ -285,16 +293,11 @@ def stream_bandwidth(device: torch.device, nbytes: int = _STREAM_BYTES, repeats:
 def machine_bandwidth(device: torch.device, recalibrate: bool = False) -> float:
     """stream_bandwidth, cached per machine like the tables."""
     key = {"format": FORMAT, "probe": "stream-sum-fp32", "bytes": _STREAM_BYTES, **machine(device)}
-    file = table_file(key)
-    if file.is_file() and not recalibrate:
-        try:
-            data = json.loads(file.read_text())
-            if data.get("key") == key:
-                return float(data["bytes_per_s"])
-        except (OSError, ValueError, KeyError):
-            pass
+    data = None if recalibrate else read_cached(key)
+    if data is not None and isinstance(data.get("bytes_per_s"), (int, float)):
+        return float(data["bytes_per_s"])
     value = stream_bandwidth(device)
-    write_json(file, {"key": key, "bytes_per_s": value, "measured_at": time.time()})
+    write_json(table_file(key), {"key": key, "bytes_per_s": value, "measured_at": time.time()})
     return value
 
 
