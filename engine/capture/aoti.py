@@ -1,7 +1,7 @@
 """A model's forward at fixed shapes, compiled ahead of time by AOTInductor and kept on disk: the CPU's captured step.
 
-    package = StepPackage(model, name, Recipe(rows=1, path="plain"))
-    runner = package.load(progress)   # built once per machine (torch.export + aoti_compile_and_package), then loaded
+    seconds = build(model, Recipe(rows=1, path="plain"), file)   # once per machine: torch.export + AOTInductor
+    runner = load(file)                                           # every later process: seconds
     logits, hidden = runner(embeds, positions, mask, start, keys, values)
 
 One package is one forward of the model over a preallocated KV cache given as tensors (`keys`, `values`: one
@@ -27,6 +27,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from torch import nn
@@ -163,15 +164,6 @@ def package_file(key: dict) -> Path:
     return cache_dir() / "captured" / f"{digest}.pt2"
 
 
-@dataclass
-class Built:
-    """A package's file and what making it cost (compile seconds are None when it was already on disk)."""
-    file: Path
-    compile_s: float | None
-    load_s: float
-    bytes: int
-
-
 def build(model, recipe: Recipe, file: Path) -> float:
     """Export and compile `recipe` of `model` into `file` (written whole or not at all); returns the seconds."""
     reason = compiler_missing()
@@ -199,23 +191,9 @@ def load(file: Path):
     behind. So it unpacks into a folder of our own, removed as soon as the runner is loaded (its library and weights
     stay mapped; the space is returned when the process ends, however it ends)."""
     tempfile.gettempdir()  # fix Python's own temporary folder before TMPDIR points elsewhere for a moment
-    with tempfile.TemporaryDirectory(prefix="treeviz-aoti-") as folder, _unpacking_into(folder):
-        runner = torch._inductor.aoti_load_package(str(file))
+    with tempfile.TemporaryDirectory(prefix="treeviz-aoti-") as folder, patch.dict(os.environ, {"TMPDIR": folder}):
+        runner = torch._inductor.aoti_load_package(str(file))  # the C++ loader unpacks under $TMPDIR
     return lambda *args: runner(*args)
-
-
-@contextmanager
-def _unpacking_into(folder: str):
-    """TMPDIR (where the package loader, in C++, creates its folder) set to `folder` for the duration."""
-    saved = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = folder
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["TMPDIR"]
-        else:
-            os.environ["TMPDIR"] = saved
 
 
 def write_meta(file: Path, key: dict, compile_s: float) -> None:

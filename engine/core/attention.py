@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from unittest.mock import patch
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -61,18 +62,13 @@ def compiled_attention(model=None):
     SDPA's math backend, which inductor fuses with the rest of the layer (and whose shapes export can reason about
     for any row count, where the folded form above makes it guard on them). `model`, if given, is switched to sdpa
     inside the block and back afterwards."""
-    before, implementation = os.environ.get(GQA_SWITCH), None
+    implementation = None
     if model is not None:
         implementation = model.config._attn_implementation
         model.set_attn_implementation("sdpa")
-    os.environ[GQA_SWITCH] = "1"
     try:
-        with sdpa_kernel(SDPBackend.MATH):
+        with patch.dict(os.environ, {GQA_SWITCH: "1"}), sdpa_kernel(SDPBackend.MATH):
             yield
     finally:
-        if before is None:
-            os.environ.pop(GQA_SWITCH, None)
-        else:
-            os.environ[GQA_SWITCH] = before
         if implementation is not None:
             model.set_attn_implementation(implementation)

@@ -26,6 +26,7 @@ attends over all `max_len` columns, filled or not, so `max_len` should be what t
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -211,7 +212,6 @@ class StaticSteps:
         self.length = length
 
     def _grow(self, needed: int) -> None:
-        import time
         start = time.perf_counter()
         old, rows = self.cache, self.length
         self._allocate(max(needed, 2 * self.max_len))
