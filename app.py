@@ -6,7 +6,7 @@
 
 TREEVIZ_PAIR=tiny-random works like --pair. The gallery traces and trace uploads work before any model loads.
 On a ZeroGPU Space (SPACES_ZERO_GPU set) the pair is loaded at import time and placed on `cuda`, as ZeroGPU requires;
-decoding then runs inside `spaces.GPU` (treeviz/handlers.py).
+decoding then runs inside `spaces.GPU` (treeviz/runs.py).
 """
 from __future__ import annotations
 

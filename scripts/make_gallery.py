@@ -19,7 +19,7 @@ from engine.session import RunSpec
 from engine.strategies import STRATEGIES
 from treeviz.errors import UserError
 from treeviz.replay import TRACE_DIR
-from treeviz.runs import Backend, Cancel, Done
+from treeviz.runs import BACKEND, BaselineMeasured, Failed, Finished, decode_events
 from treeviz.ui import load_examples
 
 MIN_TOKENS = 8
@@ -47,23 +47,24 @@ PLAN = (
 )
 
 
-def run_one(backend: Backend, spec: RunSpec):
-    """The run with AR beside it, through the backend loop the app streams from."""
-    backend.pairs.request(spec.pair)
-    while (pair := backend.pairs.ready(spec.pair)) is None:  # raises UserError if the pair cannot load
-        pass
-    done = [item for item in backend.decode(pair, spec, Cancel()) if isinstance(item, Done)]
-    if not done or done[-1].result is None or done[-1].ar is None:
+def run_one(spec: RunSpec):
+    """The run with AR beside it, through the run session the app's Run goes through."""
+    last = None
+    for event in BACKEND.open("make_gallery", "run").events("", spec.pair, decode_events, spec):
+        if isinstance(event, Failed):
+            raise UserError(event.message)
+        last = event
+    if not isinstance(last, (Finished, BaselineMeasured)) or last.ar is None:
         raise UserError(f"{spec.strategy} on {spec.pair} did not finish")
-    return done[-1].result
+    return last.result
 
 
-def bounded_run(backend: Backend, pair: str, prompt, entry: Entry, tokens: int, max_bytes: int):
+def bounded_run(pair: str, prompt, entry: Entry, tokens: int, max_bytes: int):
     """(result, compact JSON) with the JSON under max_bytes: re-run with fewer tokens while it is larger."""
     while True:
         spec = RunSpec(pair=pair, prompt=prompt, strategy=entry.strategy, preset=entry.preset,
                        max_new_tokens=tokens, temperature=entry.temperature)
-        result = run_one(backend, spec)
+        result = run_one(spec)
         text = result.to_json(compact=True)
         size = len(text.encode())
         if size <= max_bytes or tokens <= MIN_TOKENS:
@@ -100,10 +101,10 @@ def main(argv=None) -> None:
                for kind in ("code", "chat", "prose")}
     keep = {s for s in args.only.split(",") if s}
     plan = [e for e in PLAN if e.strategy in STRATEGIES and (not keep or e.strategy in keep)]
-    backend, total, code_speedups = Backend(), 0, {}
+    total, code_speedups = 0, {}
     for entry in plan:
         tokens = max(MIN_TOKENS, round(args.max_new_tokens * entry.tokens))
-        result, text = bounded_run(backend, args.pair, prompts[entry.kind], entry, tokens, args.max_kb * 1024)
+        result, text = bounded_run(args.pair, prompts[entry.kind], entry, tokens, args.max_kb * 1024)
         total += write(out, args.pair, entry, result, text)
         if entry.kind == "code" and entry.temperature == 0:
             code_speedups[entry.strategy] = (result.comparison or {}).get("speedup_vs_ar") or 0.0
@@ -111,7 +112,7 @@ def main(argv=None) -> None:
         # the first view: small trees, so a longer run fits in the same bound
         best = Entry("code", max(code_speedups, key=code_speedups.get), "cpu", tokens=1.5)
         tokens = round(args.max_new_tokens * best.tokens)
-        result, text = bounded_run(backend, args.pair, prompts["code"], best, tokens, args.max_kb * 1024)
+        result, text = bounded_run(args.pair, prompts["code"], best, tokens, args.max_kb * 1024)
         total += write(out, args.pair, best, result, text)
     if not keep:
         remove_stale(out, args.pair, plan + ([best] if code_speedups else []))

@@ -12,7 +12,7 @@ cost of building one streamed update (snapshot + tree, text and metrics row) at 
 
 `--browser` drives the page in headless Chromium (/usr/bin/chromium, Playwright) instead, one Run per prompt of a
 prompt set, and measures how far behind the decoder the page is: the server stamps the end of every iteration and
-of the run (it wraps `Backend.iterate`, the one decoding loop, to read the clock; nothing else changes), the page
+of the run (it wraps the runs `treeviz.runs.start_run` builds, to read the clock; nothing else changes), the page
 stamps every change of the run's status line (a MutationObserver), both on this machine's wall clock. Printed per
 run: the delay of each streamed update (page shows iteration k minus the decoder finished k) and the final view's
 (page shows the finished run minus the decoder's last token).
@@ -106,49 +106,59 @@ def main(argv=None) -> None:
 
 
 def update_cost(args) -> None:
+    from functools import partial
+
     from engine.session import RunSpec
-    from treeviz import handlers
-    from treeviz.runs import BACKEND, Cancel, Step
-    from treeviz.throttle import BUILD_SHARE, MIN_UPDATE_INTERVAL_S
-    from treeviz.tree_figure import grow_frame
+    from treeviz import runs
+    from treeviz.handlers import RunView
+    from treeviz.runs import BACKEND, PageState, decode_events
+    from treeviz.throttle import BUILD_SHARE, MIN_UPDATE_INTERVAL_S, UpdateThrottle
     spec = RunSpec(pair=args.pair, prompt="def f(n):\n", strategy=args.strategy, max_new_tokens=args.max_new_tokens)
-    pair = BACKEND.pairs.ready(args.pair)
-    costs, frame = [], None
-    for item in BACKEND.decode(pair, spec, Cancel()):
-        if isinstance(item, Step):  # what handlers.LiveUpdates builds for one update, at every iteration
-            t0 = time.perf_counter()
-            snap = item.run.snapshot()
-            frame = grow_frame(frame, snap.iterations[-1])
-            handlers._streamed(spec, snap, frame)
-            costs.append(time.perf_counter() - t0)
+    BACKEND.pairs.ready(args.pair)
+    plain, costs, view = runs.UpdateThrottle, [], RunView(spec, "per iteration", PageState())
+    runs.UpdateThrottle = partial(UpdateThrottle, min_interval=0.0, share=1.0)  # an update at every iteration
+    try:
+        for event in decode_events(spec, "ui-latency/run"):
+            if isinstance(event, runs.Iteration):  # what the Run handler builds for one streamed update
+                t0 = time.perf_counter()
+                view.update(event)
+                costs.append(time.perf_counter() - t0)
+    finally:
+        runs.UpdateThrottle = plain
     print(f"building one streamed update: median {statistics.median(costs) * 1000:.1f} ms, "
           f"max {max(costs) * 1000:.1f} ms over {len(costs)} iterations (sent at most every "
           f"{MIN_UPDATE_INTERVAL_S:.2f} s, and at least {(1 - BUILD_SHARE) / BUILD_SHARE:.0f}x an update's cost apart)")
 
 
+class StampedRun:
+    """A DecodeRun whose every iteration and end are stamped on the wall clock in `marks`; the rest is the run's."""
+
+    def __init__(self, run, strategy: str, marks: list):
+        self.run, self.strategy, self.marks = run, strategy, marks
+
+    def __iter__(self):
+        k = 0
+        for record in self.run:
+            self.marks.append((self.strategy, "step", k, time.time()))
+            k += 1
+            yield record
+        self.marks.append((self.strategy, "end", k, time.time()))
+
+    def __getattr__(self, name):
+        return getattr(self.run, name)
+
+
 @contextmanager
 def stamped_iterations() -> Iterator[list]:
     """While open, every iteration's end and every run's end are stamped on the wall clock: (strategy, "step" or
-    "end", iterations so far, seconds). Wraps the one decoding loop, `Backend.iterate`, and puts it back after."""
-    from treeviz.runs import Backend
-    plain, marks = Backend.iterate, []
-
-    def stamped(pair, spec, cancel, stream):
-        steps, k = plain(pair, spec, cancel, stream), 0
-        while True:
-            try:
-                item = next(steps)
-            except StopIteration as done:
-                marks.append((spec.strategy, "end", k, time.time()))
-                return done.value
-            marks.append((spec.strategy, "step", k, time.time()))
-            k += 1
-            yield item
-    Backend.iterate = staticmethod(stamped)
+    "end", iterations so far, seconds). Wraps the runs treeviz.runs builds (`start_run`), and puts it back after."""
+    from treeviz import runs
+    plain, marks = runs.start_run, []
+    runs.start_run = lambda pair, spec, *rest: StampedRun(plain(pair, spec, *rest), spec.strategy, marks)
     try:
         yield marks
     finally:
-        Backend.iterate = staticmethod(plain)
+        runs.start_run = plain
 
 
 WATCH_STATUS = """() => { window.__seen = [];  // [wall seconds, status text] at every change

@@ -53,14 +53,17 @@ def test_errors_reach_the_caller_and_the_thread_goes_on():
 
 
 def test_the_apps_runs_decode_on_the_compute_thread():
-    """Backend.holding steps the model work there (the Run, Compare, race and sweep all go through it), while the
-    wait for the pair's lock stays in the caller's thread."""
+    """A RunSession steps its model work there (Run, Compare, race and sweep all go through it) under the pair's
+    lock, while the wait for the pair and its lock stays in the caller's thread; the lock is let go at the end."""
     from treeviz.compute_thread import COMPUTE
-    from treeviz.runs import Backend, Cancel
-    seen = []
+    from treeviz.runs import Backend, Progress, Started
+    backend, seen = Backend(), []
+    backend.pairs.load("tiny-random")
 
-    def body():
-        seen.append(threading.get_ident())
-        yield "step"
-    assert list(Backend().holding(Cancel(), body())) == ["step"]
-    assert seen == [COMPUTE.ident] and seen[0] != threading.get_ident()
+    def work(key):
+        seen.append((threading.get_ident(), backend.pairs.run_lock.locked(), key))
+        yield Progress("step")
+    events = list(backend.open("s", "run").events("go", "tiny-random", work))
+    assert events == [Started("go"), Progress("step")]
+    assert seen == [(COMPUTE.ident, True, "s/run")] and seen[0][0] != threading.get_ident()
+    assert not backend.pairs.run_lock.locked() and backend.running("s") == []

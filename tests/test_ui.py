@@ -108,15 +108,16 @@ def test_a_throttled_stream_still_delivers_every_iteration(monkeypatch):
     """However few updates the throttle lets through, the final view and the trace hold every iteration."""
     from functools import partial
 
-    from engine.session import RunSpec
+    from types import SimpleNamespace
+
     from engine.core.trace import load_run
-    from treeviz import handlers
+    from treeviz import handlers, runs
     from treeviz.throttle import UpdateThrottle
 
     backend()  # the app (and its tiny pair) is up: the handler reads the pair from the process-wide backend
-    monkeypatch.setattr(handlers, "UpdateThrottle", partial(UpdateThrottle, min_interval=3600.0))
-    spec = RunSpec(pair="tiny-random", prompt="def throttled(n):\n", strategy="dynatree", max_new_tokens=40)
-    outputs = list(handlers.decode_views(spec, "throttle-session", "per iteration"))
+    monkeypatch.setattr(runs, "UpdateThrottle", partial(UpdateThrottle, min_interval=3600.0))
+    outputs = list(handlers.run("def throttled(n):\n", False, "tiny-random", "dynatree", "cpu", 40, 0.0, 1.0, 0, 0,
+                                "auto", {}, "per iteration", SimpleNamespace(session_hash="throttle-session")))
     streamed = [o for o in outputs if "decoding with" in str(o[3])]
     assert len(streamed) == 1  # only the first iteration went out live: the rest were batched
     final = outputs[-1]
@@ -199,10 +200,10 @@ def test_a_run_streams_several_updates(client, monkeypatch):
     is lowered here so that several updates fall inside the run; the app serves in this process)."""
     from functools import partial
 
-    from treeviz import handlers
+    from treeviz import runs
     from treeviz.throttle import UpdateThrottle
     # share 0.9: on a loaded machine one update may take 0.1 s, and the default 10 % rule would then wait ~1 s
-    monkeypatch.setattr(handlers, "UpdateThrottle", partial(UpdateThrottle, min_interval=0.02, share=0.9))
+    monkeypatch.setattr(runs, "UpdateThrottle", partial(UpdateThrottle, min_interval=0.02, share=0.9))
     job = client.submit("def stream(n):\n", False, "tiny-random", "dynatree", "cpu", 256, api_name="/run")
     job.result(timeout=120)
     trees = [o for o in job.outputs() if is_plot(o[TREE]) and tree_nodes(o[TREE]) >= 2]
@@ -284,19 +285,36 @@ def test_stop_cancels_a_run_in_flight_and_the_pair_stays_usable(client):
 def test_a_newer_request_supersedes_only_its_own_view_and_stop_cancels_every_view():
     """A slider released while a race decodes starts a Run: it must not cancel the race (it did, and the race's
     status then stayed at "warming up" for good); a newer race does. Stop cancels everything the session runs."""
-    from treeviz.runs import Backend, request_key
+    from treeviz.runs import Backend
     backend = Backend()
-    race = backend.begin(request_key("s1", "race"))
-    run = backend.begin(request_key("s1", "run"))
-    other = backend.begin(request_key("s2", "run"))
-    assert not race.is_set() and not run.is_set()
-    newer_race = backend.begin(request_key("s1", "race"))
-    assert race.is_set() and race.superseded and not newer_race.is_set()
+    race, run, other = backend.open("s1", "race"), backend.open("s1", "run"), backend.open("s2", "run")
+    assert not race.cancelled and not run.cancelled and sorted(backend.running("s1")) == ["race", "run"]
+    newer_race = backend.open("s1", "race")
+    assert race.cancelled and race.superseded and not newer_race.cancelled
     assert backend.stop("s1")
-    assert run.is_set() and newer_race.is_set() and not run.superseded and not other.is_set()
+    assert run.cancelled and newer_race.cancelled and not run.superseded and not other.cancelled
+    assert backend.running("s1") == [] and backend.running("s2") == ["run"]
     assert not backend.stop("s1")  # nothing left running: the Stop button says so
-    backend.end(request_key("s1", "run"), run)
-    assert backend.cancel_of(request_key("s1", "run")) is not run
+    backend.close(run)
+    assert backend.session_of("s1/run") is not run
+
+
+def test_a_stopped_session_says_so_and_lets_go_of_the_pair():
+    """Stop is the session's flag and nothing else: raised while the work runs, the work sees it between two
+    iterations (or the session between two events), the last event is Stopped and the pair's lock is free."""
+    from treeviz.runs import Backend, Progress, Stopped
+    backend = Backend()
+    backend.pairs.load("tiny-random")
+    session = backend.open("s", "run")
+
+    def work(key):
+        for k in range(100):
+            if k == 2:
+                backend.stop("s")
+            yield Progress(str(k))
+    events = list(session.events("go", "tiny-random", work))
+    assert events[-1] == Stopped(superseded=False) and len(events) == 1 + 3 + 1  # Started, 0, 1, 2, Stopped
+    assert not backend.pairs.run_lock.locked() and backend.running("s") == []
 
 
 def test_preset_and_example_update_controls(client):
@@ -399,3 +417,49 @@ def test_ar_cache_keys_on_what_changes_ar_and_stays_bounded():
     for i in range(3):
         cache.put(("k", i), f"result {i}")
     assert len(cache) == 2 and cache.get(("k", 0)) is None and cache.get(("k", 2)) == "result 2"
+
+
+def test_a_run_reaches_the_decoder_through_at_most_four_generator_frames(monkeypatch):
+    """The house's rule for the run path: from the handler to DecodeRun at most 4 generator frames, counted on the
+    handler's thread and on the compute thread together, for a Run and for a Compare measuring AR."""
+    import inspect
+    import sys
+    from types import SimpleNamespace
+
+    from treeviz import handlers, runs
+    backend()  # the app (and its tiny pair) is up
+    seen = {}
+
+    def generator_frames(frame) -> list[str]:
+        names = []
+        while frame is not None:
+            if frame.f_code.co_flags & inspect.CO_GENERATOR:
+                names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        return names
+
+    class Watched:
+        def __init__(self, run, strategy):
+            self.run, self.strategy = run, strategy
+
+        def __iter__(self):
+            for k, record in enumerate(self.run):
+                if k == 0:
+                    stacks = [generator_frames(f) for f in sys._current_frames().values()]
+                    handler = next(s for s in stacks if s and s[-1] in ("run", "compare"))
+                    seen[self.strategy] = handler + generator_frames(sys._getframe(1))
+                yield record
+
+        def __getattr__(self, name):
+            return getattr(self.run, name)
+
+    plain = runs.start_run
+    monkeypatch.setattr(runs, "start_run", lambda pair, spec, *rest: Watched(plain(pair, spec, *rest), spec.strategy))
+    request = SimpleNamespace(session_hash="frames-test")
+    list(handlers.run("def frames(n):\n", False, "tiny-random", "linear", "cpu", 6, 0.0, 1.0, 0, 0, "auto", {},
+                      "per iteration", request))
+    assert seen["linear"] == ["events", "run", "decode_events"], seen
+    list(handlers.compare("def frames_compared(n):\n", False, "tiny-random", "linear", "cpu", 6, 0.0, 1.0, 0, 0,
+                          "auto", {}, ["fixed"], "per iteration", request))
+    assert seen["ar"] == ["events", "compare", "baseline", "compare_events"], seen  # AR measured first
+    assert all(len(frames) <= 4 for frames in seen.values())

@@ -16,38 +16,38 @@ from spaces.zero.gradio import error as zero_gpu_error  # noqa: E402  (how `spac
 
 from test_ui_support import app_url, backend  # noqa: E402
 from engine.session import RunSpec  # noqa: E402
-from treeviz import handlers  # noqa: E402
+from treeviz import handlers, runs  # noqa: E402
 from treeviz.gpu import is_zero_gpu_error, zero_gpu_message  # noqa: E402
 from treeviz.replay import MAX_TRACE_MB  # noqa: E402
 
 STATUS, TREE = 1, 3
 
 
-def test_decorated_run_handler_arguments_and_yields_pickle():
-    """On ZeroGPU, decode_views runs in a forked worker: its arguments and every yielded value cross by pickle."""
-    backend().pairs.load("tiny-random")  # the pair the handler reads from the process-wide backend
+def test_decorated_run_work_arguments_and_events_pickle():
+    """On ZeroGPU, decode_events runs in a forked worker: its arguments and every event cross by pickle, and the
+    handler renders them on this side."""
+    backend().pairs.load("tiny-random")  # the pair the work reads from the process-wide backend
     args = (RunSpec(pair="tiny-random", prompt="def f(n):\n", strategy="dynatree", max_new_tokens=40),
-            "pickle-session", "per iteration")
+            "pickle-session/run")
     pickle.loads(pickle.dumps(args))
-    outputs = list(handlers.decode_views(*args))
-    for out in outputs:
-        again = pickle.loads(pickle.dumps(out))
-        assert len(again) == len(out) == handlers.N_RUN_OUTPUTS
-    final = outputs[-1]
-    assert final[0].iterations and final[1].strategy == "ar"  # the run and its AR baseline
-    assert "tokens/s" in final[3]
-    assert any(isinstance(o[5], go.Figure) for o in outputs[:-1])  # trees streamed before the end
+    events = list(runs.decode_events(*args))
+    for event in events:
+        assert type(pickle.loads(pickle.dumps(event))) is type(event)
+    assert isinstance(events[-1], (runs.Finished, runs.BaselineMeasured))
+    assert events[-1].result.iterations and events[-1].ar.strategy == "ar"  # the run and its AR baseline
+    assert any(isinstance(e, runs.Iteration) for e in events[:-1])  # trees streamed before the end
 
 
-def test_decorated_compare_handler_arguments_and_yields_pickle():
+def test_decorated_compare_work_arguments_and_events_pickle():
     backend().pairs.load("tiny-random")
-    args = (RunSpec(pair="tiny-random", prompt="hello", strategy="linear", max_new_tokens=12), "pickle-compare",
-            ["linear", "fixed"], "per iteration")
+    args = (RunSpec(pair="tiny-random", prompt="hello", strategy="linear", max_new_tokens=12), ["linear", "fixed"],
+            "pickle-compare/run")
     pickle.loads(pickle.dumps(args))
-    outputs = list(handlers.compare_views(*args))
-    for out in outputs:
-        pickle.loads(pickle.dumps(out))
-    assert "compared 3 methods" in outputs[-1][3] and len(outputs[-1]) == len(handlers.COMPARE_OUTPUTS)
+    events = list(runs.compare_events(*args))
+    for event in events:
+        pickle.loads(pickle.dumps(event))
+    finished = [e for e in events if isinstance(e, runs.Finished)]
+    assert [e.result.strategy for e in finished] == ["ar", "linear", "fixed"]
 
 
 def test_zero_gpu_errors_read_plainly():
@@ -63,11 +63,11 @@ def test_zero_gpu_errors_read_plainly():
 
 def test_run_shows_a_zero_gpu_error_as_a_status_line(monkeypatch):
     """ZeroGPU's scheduler raises from the decorated call (here: its own error, raised where it would be)."""
-    def refused(spec, session, stage_mode):
+    def refused(spec, key):
         raise zero_gpu_error("ZeroGPU quota exceeded", "You have exceeded your GPU quota (60s requested vs. 12s left).")
-        yield  # a generator, like the decorated handler
+        yield  # a generator, like the decorated work
 
-    monkeypatch.setattr(handlers, "decode_views", refused)
+    monkeypatch.setattr(handlers, "decode_events", refused)
     backend().pairs.load("tiny-random")
     request = gr.Request(username=None)
     request.session_hash = "quota-session"

@@ -136,7 +136,8 @@ def test_stop_ends_a_sweep_and_the_pair_stays_usable(client):
 # -- the record-only panels: a gallery trace, no model -------------------------------------------------------------
 def test_step_through_histogram_entropy_and_html_from_a_gallery_trace(tmp_path):
     from engine.core.trace import load_run
-    from treeviz.teaching_ui import download_html, iteration_panels, shown_tree
+    from treeviz.teaching_ui import download_html
+    from treeviz.views import iteration_panels, shown_tree
     run = load_run(GALLERY)
     index = next(i for i, it in enumerate(run.iterations) if it.accepted and it.drafted > it.accepted)
     step, histogram, tree = iteration_panels(run, index, False)
@@ -157,34 +158,23 @@ def test_step_through_histogram_entropy_and_html_from_a_gallery_trace(tmp_path):
     assert path.suffix == ".html" and "tv-step" in page and "tv-replay" in page and "tv-race" not in page
 
 
-def test_the_steps_after_a_run_stand_aside_while_a_newer_run_of_the_session_decodes():
-    """The views re-rendered after a Run or Compare ends come from the session's state; while a newer Run or Compare
-    of the session decodes they must not be sent (a Compare's last update was overtaken by such a render and the
-    metrics ended on an earlier method). Another session's run, or a race of this session, does not hold them."""
-    from types import SimpleNamespace
-
+def test_a_runs_last_update_carries_the_panels_at_the_scrubbed_iteration():
+    """Nothing re-renders after a Run: its last event carries every view and both teaching panels, at the iteration
+    the user scrubbed to while AR was measured (the page's state), with the tree sized by entropy when the switch is
+    on; a fresh Finished shows the last iteration."""
     from engine.core.trace import load_run
-    from treeviz.runs import BACKEND, request_key
-    from treeviz.teaching_ui import panels_after_run
-    from treeviz.ui import show_after_run
-    from treeviz.views import VIEW_NAMES
-    run, request = load_run(GALLERY), SimpleNamespace(session_hash="after-run-test")
-
-    def shown():
-        views = show_after_run(run, None, 1, "per iteration", None, request)
-        panels = panels_after_run(run, 1, False, request)
-        return [v for v in (*views, *panels[:2]) if not isinstance(v, dict) or v.get("__type__") != "update"]
-
-    assert len(shown()) == len(VIEW_NAMES) + 2  # nothing running: every view and both panels are rendered
-    others = [BACKEND.begin(request_key("after-run-test", "race")), BACKEND.begin(request_key("elsewhere", "run"))]
-    assert len(shown()) == len(VIEW_NAMES) + 2
-    newer = BACKEND.begin(request_key("after-run-test", "run"))
-    assert shown() == []  # a Run or Compare of this session decodes: its updates own the views
-    newer.set()           # stopped (or superseded): the state is what it streamed, the views may show it again
-    assert len(shown()) == len(VIEW_NAMES) + 2
-    BACKEND.end(request_key("after-run-test", "run"), newer)
-    for key, cancel in zip([request_key("after-run-test", "race"), request_key("elsewhere", "run")], others):
-        BACKEND.end(key, cancel)
+    from treeviz.handlers import RUN_VIEW_OUTPUTS, RunView
+    from treeviz.runs import BaselineMeasured, Finished, PageState
+    run, page = load_run(GALLERY), PageState()
+    view = RunView(None, "per iteration", page)
+    named = dict(zip(RUN_VIEW_OUTPUTS, view.update(Finished(run, None))))
+    last = len(run.iterations) - 1
+    assert f"iteration {last}," in named["step_plot"].layout.title.text and named["scrubber"]["value"] == last
+    page.shown, page.entropy = 1, True  # what the scrub handler and the entropy switch write meanwhile
+    named = dict(zip(RUN_VIEW_OUTPUTS, view.update(BaselineMeasured(run, run))))
+    assert "iteration 1," in named["step_plot"].layout.title.text and "entropy" in named["tree"].layout.title.text
+    assert named["scrubber"] == {"__type__": "update"}  # left where the user put it
+    assert sum(named["acceptance"].data[0].customdata) == len(run.iterations)
 
 
 def test_compare_shows_acceptance_histograms(client):

@@ -1,22 +1,18 @@
-"""The Gradio handlers that touch models: Run and Compare, plus Stop.
+"""The Gradio handlers that touch models, Run and Compare, plus Stop: each turns its RunSession's typed events
+(treeviz/runs.py) into component updates, in one place per handler (`RunView`, `CompareView`).
 
-One run path: a plain generator handler validates its inputs, waits (on CPU) for the model pair, then hands over to
-a generator decorated with `spaces.GPU` that iterates the engine's DecodeRun itself and yields component updates.
-Run and Compare share that skeleton (`in_session` around, `reported` inside). The decorated generator takes only
-picklable arguments (a RunSpec, the session id, plain strings) and yields only picklable values (tuples of strings,
-dicts, plotly figures, RunResults): on a ZeroGPU Space it runs in another process. Stop is Gradio's own
-cancellation (`cancels=`) plus the session's cancel flag, checked between iterations. A running decode streams at
-the rate treeviz/throttle.py allows; its final view and trace hold every iteration.
+A handler validates its inputs, opens a session for its view (a newer one of the same browser session and view
+supersedes it) and renders every event the session emits; the model work and the GPU boundary are in runs.py. Stop
+raises the session's flag: the run ends between two iterations and its last event says so. The last update of a Run
+or Compare carries every view and the teaching panels, at the iteration the user scrubbed to meanwhile (the page's
+state in runs.Backend.page), so nothing re-renders after a run.
 
-Run outputs, in order: views.RUN_OUTPUTS (run state, AR state, scrubber, run status, download, then the views);
-Compare outputs: the same followed by COMPARE_EXTRA. Handlers name what they change (`views.outputs`).
+Run outputs, in order: RUN_VIEW_OUTPUTS (views.RUN_OUTPUTS, then the teaching panels); Compare outputs:
+COMPARE_OUTPUTS (views.RUN_OUTPUTS, COMPARE_EXTRA, then the panels). Handlers name what they change (`views.outputs`).
 """
 from __future__ import annotations
 
-import logging
-import time
-import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import gradio as gr
 
@@ -24,23 +20,29 @@ from engine.session import AR, RunSpec
 from engine.strategies import STRATEGIES
 from treeviz.charts import calibration_figure
 from treeviz.charts_teaching import acceptance_histogram_figure
-from treeviz.errors import USER_FACING, UserError, friendly_error
-from treeviz.gpu import GPU_SECONDS_MAX, gpu, is_zero_gpu_error, zero_gpu_message
 from treeviz.html import ar_source_text
-from treeviz.runs import BACKEND, Cancel, Status, Step, request_key
-from treeviz.throttle import UpdateThrottle
+from treeviz.runs import (BACKEND, BaselineMeasured, Event, Failed, Finished, Iteration, PageState, Progress, Started,
+                          Stopped, compare_events, decode_events)
 from treeviz.tree_figure import grow_frame, small_multiples
-from treeviz.views import (MEASURING_BADGE, PENDING_BADGE, RUN_OUTPUTS, compare_row, compare_table,
-                           last_index, outputs, render_views, run_summary, save_trace, status_html, streamed_views)
+from treeviz.views import (MEASURING_BADGE, PANEL_NAMES, PENDING_BADGE, RUN_OUTPUTS, compare_row, compare_table,
+                           last_index, outputs, render_views, run_summary, save_trace, shown_run, status_html,
+                           streamed_views)
 
-log = logging.getLogger("treeviz")
-N_RUN_OUTPUTS = len(RUN_OUTPUTS)
+RUN_VIEW_OUTPUTS = RUN_OUTPUTS + PANEL_NAMES
 COMPARE_EXTRA = ("compare_table", "compare_plot", "compare_calibration", "compare_histogram")
-COMPARE_OUTPUTS = RUN_OUTPUTS + COMPARE_EXTRA
+COMPARE_OUTPUTS = RUN_OUTPUTS + COMPARE_EXTRA + PANEL_NAMES
+STOPPED_VIEWS = {"run": "the run (the views show it up to the last streamed iteration)", "race": "the race",
+                 "sweep": "the sweep"}
 
 
-def status_update(text: str, error: bool = False, names: tuple[str, ...] = RUN_OUTPUTS) -> tuple:
-    return outputs({"status": status_html(text, error=error)}, names)
+def browser_of(request: gr.Request | None) -> str:
+    """The browser session a request comes from ("default" for a caller without one)."""
+    return getattr(request, "session_hash", None) or "default"
+
+
+def status_update(text: str, error: bool = False, names: tuple[str, ...] = RUN_VIEW_OUTPUTS,
+                  progress: float | None = None) -> tuple:
+    return outputs({"status": status_html(text, error=error, progress=progress)}, names)
 
 
 def spec_from_inputs(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_tokens: float,
@@ -68,74 +70,6 @@ def spec_from_inputs(prompt: str, chat: bool, pair: str, strategy: str, preset: 
         raise gr.Error(f"Bad setting: {err}") from None
 
 
-def wait_for_pair(name: str, cancel: Cancel, names: tuple[str, ...] = RUN_OUTPUTS) -> Iterator[tuple]:
-    """Yield loading progress until the pair is ready (on CPU, outside the GPU slot); UserError if it fails."""
-    BACKEND.pairs.request(name)
-    last = 0.0
-    while BACKEND.pairs.ready(name) is None and not cancel.is_set():
-        if time.monotonic() - last > 0.5:
-            last = time.monotonic()
-            frac, msg = BACKEND.pairs.status()["progress"]
-            yield outputs({"status": status_html(f"waiting for the models: {msg}", progress=frac)}, names)
-
-
-# -- the skeleton Run and Compare share ----------------------------------------------------------------------------
-def in_session(request: gr.Request, spec: RunSpec, names: tuple[str, ...], opening: tuple,
-               work: Callable[[str], Iterator[tuple]], view: str = "run") -> Iterator[tuple]:
-    """One request's run in its browser session (a newer one for the same `view` cancels it): the opening update,
-    the wait for the pair (CPU side), then `work(key)` (the GPU side; `key` names its cancel flag); its errors as one
-    plain status line."""
-    key = request_key(request.session_hash or "default", view)
-    cancel = BACKEND.begin(key)
-    try:
-        yield opening
-        yield from wait_for_pair(spec.pair, cancel, names)
-        if not cancel.is_set():
-            yield from work(key)
-    except UserError as err:
-        yield status_update(str(err), error=True, names=names)
-    except gr.Error as err:
-        if not is_zero_gpu_error(err):
-            raise
-        yield status_update(zero_gpu_message(err), error=True, names=names)
-    finally:
-        BACKEND.end(key, cancel)
-
-
-def run_view_busy(request: gr.Request) -> bool:
-    """Whether a Run or Compare of this browser session is decoding. A step chained after a Run or Compare
-    re-renders the views from the session's state; while a newer request decodes, that render shows a moment of
-    it and can land after its last update (a Compare then ended on an earlier method's metrics), so the step stands
-    aside: the newer request's own updates own the views."""
-    return BACKEND.busy(request_key(request.session_hash or "default", "run"))
-
-
-def rendered_after_run(request: gr.Request, render: Callable[[], Any], skipped: Any) -> Any:
-    """`render()` for a step chained after a Run or Compare, or `skipped` (its outputs left alone) while a newer
-    Run or Compare of the session decodes now or began while it rendered (run_view_busy)."""
-    if run_view_busy(request):
-        return skipped
-    rendered = render()
-    return skipped if run_view_busy(request) else rendered
-
-
-def loaded_pair(spec: RunSpec, button: str):
-    pair = BACKEND.pairs.ready(spec.pair, timeout=0)
-    if pair is None:
-        raise UserError(f"the model pair is not loaded yet: press {button} again")
-    return pair
-
-
-def reported(updates: Iterator[tuple], names: tuple[str, ...], what: str) -> Iterator[tuple]:
-    """`updates`, with any error as one plain status line (the traceback goes to the log)."""
-    try:
-        yield from updates
-    except Exception as err:  # noqa: BLE001 - engine errors become one plain line, the traceback goes to the log
-        if not isinstance(err, USER_FACING):
-            log.warning("%s failed:\n%s", what, traceback.format_exc())
-        yield status_update(friendly_error(err), error=True, names=names)
-
-
 # -- Run ---------------------------------------------------------------------------------------------------------------
 def run(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_tokens: float, temperature: float,
         top_p: float, top_k: float, seed: float, verifier: str, params: dict, stage_mode: str,
@@ -143,96 +77,79 @@ def run(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_
     """Decode the prompt with the strategy, streaming the tree as it grows; AR runs beside it."""
     spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, params)
-    # a fresh run: clear the previous run's views that would otherwise look current (the tree and the text stay
-    # until the first streamed iteration replaces them)
-    empty = render_views(None, None, None)
-    opening = outputs({"run": None, "ar": None, "scrubber": gr.update(value=0, maximum=1),
-                       "status": status_html(f"starting {spec.strategy} on {spec.pair}…"), "download": None,
-                       **{name: view for name, view in empty.items() if name not in ("tree", "text")},
-                       "badge": PENDING_BADGE})
-    yield from in_session(request, spec, RUN_OUTPUTS, opening,
-                          lambda session: decode_views(spec, session, stage_mode))
+    browser = browser_of(request)
+    session, view = BACKEND.open(browser, "run"), RunView(spec, stage_mode, BACKEND.page(browser))
+    for event in session.events(f"starting {spec.strategy} on {spec.pair}…", spec.pair, decode_events, spec):
+        yield view.update(event)
 
 
-def _run_seconds(spec: RunSpec, session: str, stage_mode: str) -> int:
-    """The GPU slot to ask ZeroGPU for: generous per token, capped (longer asks wait longer in its queue)."""
-    return min(GPU_SECONDS_MAX, 20 + spec.max_new_tokens // 4)
+class RunView:
+    """A Run's events as RUN_VIEW_OUTPUTS updates: live trees on a frame grown to fit every tree so far, the whole run
+    when it ends, AR's figures when they arrive."""
 
-
-@gpu(duration=_run_seconds)
-def decode_views(spec: RunSpec, session: str, stage_mode: str) -> Iterator[tuple]:
-    """Iterate the decoding loop under the pair's lock; yield run outputs (picklable: see the module docstring)."""
-    yield from reported(_decode_updates(spec, session, stage_mode), RUN_OUTPUTS, "run")
-
-
-def _decode_updates(spec: RunSpec, session: str, stage_mode: str) -> Iterator[tuple]:
-    cancel = BACKEND.cancel_of(session)
-    live, shown = LiveUpdates(spec), False
-    for item in BACKEND.decode(loaded_pair(spec, "Run"), spec, cancel):
-        if isinstance(item, Status):
-            yield status_update(item.text)
-        elif isinstance(item, Step):
-            if not cancel.is_set():
-                yield from live.after_iteration(item.run)
-        elif item.result is not None and not shown:
-            shown = True
-            yield _finished(item.result, item.ar, stage_mode)
-        elif item.result is not None:
-            yield _baseline(item.result, item.ar, stage_mode)
-        elif not cancel.superseded:  # a newer run of this session owns the views: leave them alone
-            yield status_update("stopped")
-
-
-class LiveUpdates:
-    """The streamed updates of one decode, sent when its throttle allows: each shows the run so far (the iterations
-    since the last update batched in), the newest tree on a frame grown to fit every tree so far."""
-
-    def __init__(self, spec: RunSpec):
-        self.spec, self.throttle = spec, UpdateThrottle()
+    def __init__(self, spec: RunSpec, stage_mode: str, page: PageState):
+        self.spec, self.stage_mode, self.page = spec, stage_mode, page
         self.frame, self.framed = None, 0
 
-    def after_iteration(self, run) -> Iterator[tuple]:
-        """The update after one more iteration of `run` (a DecodeRun), or nothing if none is due yet."""
-        if not self.throttle.due():
-            return
-        started = self.throttle.clock()
-        snap = run.snapshot()  # only when shown: it re-decodes the text and recomputes metrics
+    def update(self, event: Event) -> tuple:
+        match event:
+            case Started(text):
+                return self.opening(text)
+            case Progress(text, fraction):
+                return status_update(text, progress=fraction)
+            case Iteration(snap, batched):
+                return self.streamed(snap, batched)
+            case Finished(result, ar):
+                return self.finished(result, ar)
+            case BaselineMeasured(result, ar):
+                return self.baseline(result, ar)
+            case Stopped(superseded):  # superseded: the newer run of this session owns the views
+                return outputs({}, RUN_VIEW_OUTPUTS) if superseded else status_update(
+                    "stopped: the views show the run up to the last streamed iteration")
+            case Failed(message):
+                return status_update(message, error=True)
+        raise TypeError(f"not a run event: {event!r}")
+
+    def opening(self, text: str) -> tuple:
+        """A fresh run: the previous run's views that would otherwise look current are cleared (the tree and the
+        text stay until the first streamed iteration replaces them)."""
+        self.page.shown = None
+        empty = render_views(None, None, None)
+        return outputs({"run": None, "ar": None, "scrubber": gr.update(value=0, maximum=1),
+                        "status": status_html(text), "download": None, "badge": PENDING_BADGE,
+                        **{name: view for name, view in empty.items() if name not in ("tree", "text")}},
+                       RUN_VIEW_OUTPUTS)
+
+    def streamed(self, snap, batched: int) -> tuple:
+        """One live update: the run so far, the newest tree (the scrubber reaches every iteration so far; the
+        snapshot goes to the run state too, so after a Stop the views scrub what was streamed)."""
         for iteration in snap.iterations[self.framed:]:
             self.frame = grow_frame(self.frame, iteration)
-        batched, self.framed = len(snap.iterations) - self.framed, len(snap.iterations)
-        yield _streamed(self.spec, snap, self.frame, batched)
-        self.throttle.sent(started)  # resumed: Gradio has serialised and sent the update meanwhile
+        n, self.framed = len(snap.iterations), len(snap.iterations)
+        since = f" ({batched} iterations since the last update)" if batched > 1 else ""
+        status = status_html(f"decoding with {self.spec.strategy}: iteration {n - 1}, "
+                             f"{snap.metrics['new_tokens']} tokens, {snap.metrics['total_s']:.1f}s{since}")
+        return outputs({"run": snap, "ar": None, "scrubber": gr.update(maximum=max(1, n - 1), value=n - 1),
+                        "status": status, **streamed_views(snap, self.frame)}, RUN_VIEW_OUTPUTS)
 
+    def finished(self, result, ar) -> tuple:
+        """The run as soon as it ends, every view at its last iteration (AR's figures follow in `baseline` when AR
+        was not cached)."""
+        self.page.shown = None
+        n = last_index(result)
+        status = run_status(result) + ("" if ar is not None else " — measuring AR on the same prompt…")
+        return outputs({"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
+                        "status": status_html(status), "download": save_trace(result),
+                        **shown_run(result, ar, n, self.stage_mode, self.page.entropy),
+                        **({"badge": MEASURING_BADGE} if ar is None else {})}, RUN_VIEW_OUTPUTS)
 
-def _streamed(spec: RunSpec, snap, frame: dict, batched: int = 1) -> tuple:
-    """One live update: the run so far (`batched` iterations since the last update; the scrubber reaches them all)."""
-    n = len(snap.iterations)
-    since = f" ({batched} iterations since the last update)" if batched > 1 else ""
-    status = status_html(f"decoding with {spec.strategy}: iteration {n - 1}, {snap.metrics['new_tokens']} tokens, "
-                         f"{snap.metrics['total_s']:.1f}s{since}")
-    # the snapshot goes to the run state too: after a Stop the views scrub what was streamed
-    return outputs({"run": snap, "ar": None, "scrubber": gr.update(maximum=max(1, n - 1), value=n - 1),
-                    "status": status, **streamed_views(snap, frame)})
-
-
-def _finished(result, ar, stage_mode: str) -> tuple:
-    """The run as soon as it ends, every view at its last iteration; without AR (not measured yet) its baseline
-    follows in `_baseline`."""
-    n = last_index(result)
-    views = render_views(result, ar, n, stage_mode)
-    status = run_status(result) + ("" if ar is not None else " — measuring AR on the same prompt…")
-    return outputs({"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
-                    "status": status_html(status), "download": save_trace(result), **views,
-                    **({"badge": MEASURING_BADGE} if ar is None else {})})
-
-
-def _baseline(result, ar, stage_mode: str) -> tuple:
-    """AR's measurement arrived: every view again at the last iteration, now with AR beside the run (the last value
-    of /run is complete for an API caller). The scrubber is left where the user put it meanwhile: the page puts the
-    views back at its position right after (ui._wire_runs)."""
-    views = render_views(result, ar, last_index(result), stage_mode)
-    return outputs({"run": result, "ar": ar, "status": status_html(run_status(result)),
-                    "download": save_trace(result), **views})
+    def baseline(self, result, ar) -> tuple:
+        """AR's measurement arrived: every view again, with AR beside the run, at the iteration the user scrubbed to
+        meanwhile (the scrubber is left alone): the last value of /run is complete for an API caller."""
+        return outputs({"run": result, "ar": ar, "status": status_html(run_status(result)),
+                        "download": save_trace(result),
+                        **shown_run(result, ar, self.page.shown, self.stage_mode, self.page.entropy)},
+                       RUN_VIEW_OUTPUTS)
 
 
 def run_status(result) -> str:
@@ -247,11 +164,14 @@ def run_status(result) -> str:
 
 
 def stop(request: gr.Request) -> str:
-    """Stop button: raise the session's cancel flags, every view's (Gradio's `cancels=` ends the handlers)."""
-    if not BACKEND.stop(request.session_hash or "default"):
+    """Stop button: raise the flag of every session this browser session runs (Run, Compare, race, sweep); each
+    ends between two iterations and says so in its own status line."""
+    browser = browser_of(request)
+    views = BACKEND.running(browser)
+    if not BACKEND.stop(browser):
         gr.Info("Nothing is running.")
         return gr.skip()
-    return status_html("stopped: the views show the run up to the last streamed iteration")
+    return status_html("stopped: " + ", ".join(STOPPED_VIEWS.get(view, view) for view in views))
 
 
 # -- Compare -------------------------------------------------------------------------------------------------------
@@ -265,54 +185,62 @@ def compare(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_
     methods = [m for m in (methods or []) if m in STRATEGIES and m != AR]
     if not methods:
         raise gr.Error("Tick at least one strategy to compare with AR.")
-    opening = status_update("comparing: measuring AR first…", names=COMPARE_OUTPUTS)
-    yield from in_session(request, spec, COMPARE_OUTPUTS, opening,
-                          lambda session: compare_views(spec, session, methods, stage_mode))
+    browser = browser_of(request)
+    session, view = BACKEND.open(browser, "run"), CompareView(stage_mode, BACKEND.page(browser))
+    for event in session.events("comparing: measuring AR first…", spec.pair, compare_events, spec, methods):
+        yield view.update(event)
+    if view.complete:  # the last value carries the comparison: an API caller reads only the last
+        yield view.summary()
 
 
-def _compare_seconds(spec: RunSpec, session: str, methods: list[str], stage_mode: str) -> int:
-    return min(GPU_SECONDS_MAX, 20 + (1 + len(methods)) * spec.max_new_tokens // 4)
+class CompareView:
+    """A Compare's events as COMPARE_OUTPUTS updates: the table, first trees, calibration and histograms so far, and
+    the main views showing the method just finished."""
 
+    def __init__(self, stage_mode: str, page: PageState):
+        self.stage_mode, self.page = stage_mode, page
+        self.rows, self.trees, self.runs, self.ar_note, self.last_shown = [], [], [], "", {}
+        self.complete = False
 
-@gpu(duration=_compare_seconds)
-def compare_views(spec: RunSpec, session: str, methods: list[str], stage_mode: str) -> Iterator[tuple]:
-    """Compare outputs after each method: the table, first trees and calibration so far, and the main views (metrics
-    row included) showing the method just finished; picklable like decode_views."""
-    yield from reported(_compare_updates(spec, session, methods, stage_mode), COMPARE_OUTPUTS, "compare")
+    def update(self, event: Event) -> tuple:
+        self.complete = False
+        match event:
+            case Started(text) | Progress(text, _):
+                return status_update(text, names=COMPARE_OUTPUTS)
+            case Finished(result, ar):
+                self.complete = True
+                return self.finished(result, ar)
+            case Stopped(superseded):
+                return outputs({}, COMPARE_OUTPUTS) if superseded else status_update(
+                    "comparison stopped", names=COMPARE_OUTPUTS)
+            case Failed(message):
+                return status_update(message, error=True, names=COMPARE_OUTPUTS)
+        raise TypeError(f"not a compare event: {event!r}")
 
-
-def _compare_updates(spec: RunSpec, session: str, methods: list[str], stage_mode: str) -> Iterator[tuple]:
-    cancel, names = BACKEND.cancel_of(session), COMPARE_OUTPUTS
-    rows, trees, runs, ar_note, last_shown = [], [], [], "", {}
-    for item in BACKEND.compare(loaded_pair(spec, "Compare"), spec, methods, cancel):
-        if isinstance(item, Status):
-            yield status_update(item.text, names=names)
-            continue
-        result, ar = item.result, item.ar
-        rows.append(compare_row(result, ar))
+    def finished(self, result, ar) -> tuple:
+        self.rows.append(compare_row(result, ar))
         shown = {}
         if result is ar:
-            ar_note = ar_source_text(ar.comparison)
+            self.ar_note = ar_source_text(ar.comparison)
         else:
-            runs.append((result.strategy, result))
+            self.runs.append((result.strategy, result))
             if result.iterations:
-                trees.append((result.strategy, result.iterations[0]))
-            n = last_index(result)
+                self.trees.append((result.strategy, result.iterations[0]))
+            self.page.shown, n = None, last_index(result)
             shown = {"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
-                     "download": save_trace(result), **render_views(result, ar, n, stage_mode)}
-        last_shown = shown or last_shown
-        yield outputs({**shown, "status": status_html(f"compare: {result.strategy} done"),
-                       **_compare_extra(rows, trees, runs)}, names)
-    if cancel.is_set():
-        if not cancel.superseded:
-            yield status_update("comparison stopped", names=names)
-    elif rows:  # the last value carries the comparison: an API caller reads only the last
-        summary = f"compared {len(rows)} methods on the same prompt" + (f" ({ar_note})" if ar_note else "")
-        # the last method's views again: a page that coalesced the streamed updates still ends on them
-        yield outputs({**last_shown, "status": status_html(summary), **_compare_extra(rows, trees, runs)}, names)
+                     "download": save_trace(result), **shown_run(result, ar, n, self.stage_mode, self.page.entropy)}
+        self.last_shown = shown or self.last_shown
+        return outputs({**shown, "status": status_html(f"compare: {result.strategy} done"), **self.extra()},
+                       COMPARE_OUTPUTS)
 
+    def summary(self) -> tuple:
+        """The last value: the comparison, and the last method's views again (a page that coalesced the streamed
+        updates still ends on them)."""
+        summary = f"compared {len(self.rows)} methods on the same prompt" + (
+            f" ({self.ar_note})" if self.ar_note else "")
+        return outputs({**self.last_shown, "status": status_html(summary), **self.extra()}, COMPARE_OUTPUTS)
 
-def _compare_extra(rows: list[dict], trees: list, runs: list) -> dict:
-    return {"compare_table": compare_table(rows), "compare_calibration": calibration_figure(runs),
-            "compare_histogram": acceptance_histogram_figure(runs),
-            **({"compare_plot": small_multiples(trees)} if trees else {})}
+    def extra(self) -> dict[str, Any]:
+        return {"compare_table": compare_table(self.rows), "compare_calibration": calibration_figure(self.runs),
+                "compare_histogram": acceptance_histogram_figure(self.runs),
+                **({"compare_plot": small_multiples(self.trees)} if self.trees else {})}

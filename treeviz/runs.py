@@ -1,210 +1,375 @@
-"""Runs on the loaded pair: one decoding loop per request, iterated by the request's own handler under the pair's
-lock, with what it streams (`Status`, `Step`, `Done`), per-session cancel flags, and AR baselines (cached).
+"""Runs on the loaded pair: one `RunSession` per request, which emits typed events; the handlers turn the events into
+component updates (treeviz/handlers.py, treeviz/teaching_handlers.py).
+
+A session owns what its request shares with the rest of the app: the cancel flag (Stop, and a newer request of the
+same view, raise it: the one way a run is stopped), the wait for the model pair, the pair's run lock and the app's one
+compute thread. The model work is in the `gpu`-decorated generators at the bottom (`decode_events`, `compare_events`,
+`race_events`, `sweep_events`): on a ZeroGPU Space each runs in a forked worker, so they take picklable arguments (a
+RunSpec, the session's key) and yield picklable events; their session there is a copy that Stop cannot reach, so the
+session also checks its flag between events and closes the work (which ends the worker's task).
 
 Every run is built by engine.session (`start_run`); no tensor math here.
 """
 from __future__ import annotations
 
+import logging
 import threading
+import traceback
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Generator, Iterator
+from typing import Any, Callable, Iterator
 
+import gradio as gr
+
+from engine.bench.sweep import run_sweep
 from engine.core.trace import RunResult
-from engine.session import AR, RunSpec, start_run
+from engine.session import AR, WARM_UP_TOKENS, RunSpec, start_run
 from treeviz.ar_cache import ARCache, Baseline, attach_comparison
 from treeviz.compute_thread import COMPUTE
+from treeviz.errors import USER_FACING, UserError, friendly_error
+from treeviz.gpu import GPU_SECONDS_MAX, gpu, is_zero_gpu_error, zero_gpu_message
 from treeviz.pairs import PairManager
+from treeviz.throttle import UpdateThrottle
+
+log = logging.getLogger("treeviz")
+_END = object()  # next()'s default: the work is exhausted
 
 
-class Cancel:
-    """A session's cancel flag, checked by its run between iterations."""
-
-    def __init__(self):
-        self.event = threading.Event()
-        self.superseded = False  # cancelled because a newer run of the same session started
-
-    def set(self, superseded: bool = False) -> None:
-        self.superseded = self.superseded or superseded
-        self.event.set()
-
-    def is_set(self) -> bool:
-        return self.event.is_set()
+# -- what a session emits ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Started:
+    text: str                          # what the request is about to do
 
 
-# What a run streams to its handler (the handler turns each into component updates).
-@dataclass
-class Status:
-    text: str
+@dataclass(frozen=True)
+class Progress:
+    text: str                          # waiting for the models or the pair, measuring AR, the next compared method
+    fraction: float | None = None      # of the model load, when known
 
 
-@dataclass
-class Step:
-    run: Any                           # the DecodeRun after one more iteration: .snapshot() is the run so far
+@dataclass(frozen=True)
+class Iteration:
+    """The run so far (a snapshot) while it decodes, `batched` iterations after the previous Iteration event."""
+    run: RunResult
+    batched: int
 
 
-@dataclass
-class Done:
-    """A finished run (None when stopped or superseded). A Run streams it twice: at once with `ar` None, then again
-    with AR beside it once AR on the same prompt is measured (at once if it is cached)."""
-    result: RunResult | None
+@dataclass(frozen=True)
+class Finished:
+    """One run ended, every iteration in `result`: a Run's (with AR beside it when AR was cached, else None until
+    BaselineMeasured), or a compared method's (the first is AR itself: `result is ar`)."""
+    result: RunResult
     ar: RunResult | None = None
 
 
-def request_key(session: str, view: str) -> str:
-    """The cancel flag's key of one browser session's requests for one view: "run" (Run and Compare, which share
-    the main views), "race" or "sweep". A newer request supersedes only the older one of its own view, so a slider
-    released while a race decodes re-runs the Run view (after the race, on the pair's lock) instead of silently
-    killing the race."""
-    return f"{session}/{view}"
+@dataclass(frozen=True)
+class BaselineMeasured:
+    """AR on the same prompt was measured after the Run's Finished: `result` now carries its comparison."""
+    result: RunResult
+    ar: RunResult
+
+
+@dataclass(frozen=True)
+class Raced:
+    runs: list                         # [(label, RunResult)], AR first, each compared with this request's AR
+
+
+@dataclass(frozen=True)
+class Swept:
+    progress: dict                     # engine.bench.sweep's event: {"done", "total", "sweep", "complete"?, ...}
+
+
+@dataclass(frozen=True)
+class Stopped:
+    superseded: bool                   # a newer request of the same view took over: its events own the views
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str                       # one plain sentence; the traceback went to the log
+
+
+Event = Started | Progress | Iteration | Finished | BaselineMeasured | Raced | Swept | Stopped | Failed
+
+
+# -- the session -------------------------------------------------------------------------------------------------------
+class RunSession:
+    """One request of one browser session for one view ("run": Run and Compare, which share the main views; "race";
+    "sweep"). `events` is the whole request as typed events, from Started to its last event."""
+
+    def __init__(self, backend: "Backend", key: str):
+        self.backend, self.key = backend, key
+        self._cancel = threading.Event()
+        self.superseded = False        # cancelled because a newer request of the same view began
+
+    def cancel(self, superseded: bool = False) -> None:
+        self.superseded = self.superseded or superseded
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def events(self, opening: str, pair_name: str, work: Callable[..., Iterator[Event]], *args: Any) -> Iterator[Event]:
+        """Started, the wait for the pair (Progress, on this side of the GPU boundary), then `work(*args, key)`'s events,
+        each produced on the compute thread under the pair's run lock, until the work ends (its last event is Stopped
+        if it saw the flag itself) or the flag is seen here first: then Stopped, and the work is closed on the
+        compute thread (a ZeroGPU worker's task ends with it). Failed on an error. The lock and the session are let
+        go when the work ends or the consumer closes this generator."""
+        try:
+            yield Started(opening)
+            yield from self._wait_for_pair(pair_name)
+            if self.cancelled or not (yield from self._wait_for_lock()):
+                yield Stopped(self.superseded)
+                return
+            steps = None
+            try:
+                steps = work(*args, self.key)
+                while not self.cancelled:
+                    event = COMPUTE.call(next, steps, _END)
+                    if event is _END:
+                        return
+                    yield event
+                    if isinstance(event, Stopped):
+                        return
+                yield Stopped(self.superseded)
+            finally:
+                if steps is not None:
+                    COMPUTE.call(steps.close)
+                self.backend.pairs.run_lock.release()
+        except Exception as err:  # noqa: BLE001 - every error becomes one plain line, the traceback goes to the log
+            yield Failed(self._message(err))
+        finally:
+            self.backend.close(self)
+
+    def _wait_for_pair(self, name: str) -> Iterator[Progress]:
+        """Loading progress until the pair is ready; UserError if it fails to load."""
+        self.backend.pairs.request(name)
+        told = -1.0
+        while self.backend.pairs.ready(name) is None and not self.cancelled:  # ready() waits up to 0.25 s
+            fraction, message = self.backend.pairs.status()["progress"]
+            if fraction != told:
+                told = fraction
+                yield Progress(f"waiting for the models: {message}", fraction)
+
+    def _wait_for_lock(self) -> Iterator[Progress]:
+        """Take the pair's run lock (one Progress while another run holds it); returns whether it was taken (False:
+        the flag was raised first)."""
+        told = False
+        while not self.backend.pairs.run_lock.acquire(timeout=0.2):
+            if self.cancelled:
+                return False
+            if not told:
+                told = True
+                yield Progress("waiting for another run on this model pair to finish…")
+        return True
+
+    @staticmethod
+    def _message(err: Exception) -> str:
+        if is_zero_gpu_error(err):
+            return zero_gpu_message(err)
+        if isinstance(err, gr.Error):
+            return str(err.message)
+        if not isinstance(err, USER_FACING):
+            log.warning("run failed:\n%s", traceback.format_exc())
+        return friendly_error(err)
+
+
+@dataclass
+class PageState:
+    """What a browser session's page shows that a run's last event must respect, written by the page's own handlers:
+    the iteration the user scrubbed to once the run had finished (None: the last) and the entropy switch."""
+    shown: int | None = None
+    entropy: bool = False
 
 
 class Backend:
-    """The pair, the AR cache and one cancel flag per browser session and view (a new request cancels the older one
-    of the same view; Stop cancels all of the session's)."""
+    """The pair, the AR cache, the running sessions (one per browser session and view) and each page's state."""
+
+    MAX_PAGES = 1024
 
     def __init__(self):
         self.pairs = PairManager()
         self.ar_cache = ARCache()
-        self._cancels: dict[str, Cancel] = {}
+        self._sessions: dict[str, RunSession] = {}
+        self._pages: OrderedDict[str, PageState] = OrderedDict()
         self._lock = threading.Lock()
 
-    # -- sessions ----------------------------------------------------------------------------------------------------
-    def begin(self, key: str) -> Cancel:
-        """A fresh cancel flag for request `key` (request_key), superseding the older request under that key."""
-        cancel = Cancel()
+    def open(self, browser: str, view: str) -> RunSession:
+        """A new session for `view`, superseding (cancelling) the older one of that browser session and view."""
+        session = RunSession(self, f"{browser}/{view}")
         with self._lock:
-            old = self._cancels.get(key)
-            if old is not None:
-                old.set(superseded=True)
-            self._cancels[key] = cancel
-        return cancel
+            old = self._sessions.get(session.key)
+            self._sessions[session.key] = session
+        if old is not None:
+            old.cancel(superseded=True)
+        return session
 
-    def cancel_of(self, key: str) -> Cancel:
-        """The flag `begin` made for `key`; an unregistered one (nothing can raise it) if none was begun."""
+    def session_of(self, key: str) -> RunSession:
+        """The running session `key`; an unregistered one (nothing can stop it) if none runs, as in a ZeroGPU worker
+        forked before the request began."""
         with self._lock:
-            return self._cancels.get(key) or Cancel()
+            return self._sessions.get(key) or RunSession(self, key)
 
-    def busy(self, key: str) -> bool:
-        """Whether a request under `key` was begun and is still running, not cancelled."""
+    def running(self, browser: str) -> list[str]:
+        """The views this browser session is running now (busy state as data)."""
         with self._lock:
-            cancel = self._cancels.get(key)
-        return cancel is not None and not cancel.is_set()
+            return [key.partition("/")[2] for key, s in self._sessions.items()
+                    if key.partition("/")[0] == browser and not s.cancelled]
 
-    def stop(self, session: str) -> bool:
-        """Cancel every running request of browser session `session`; False if none was running."""
+    def stop(self, browser: str) -> bool:
+        """Cancel every running session of `browser`; False if none was running."""
         with self._lock:
-            running = [c for key, c in self._cancels.items() if key.partition("/")[0] == session and not c.is_set()]
-        for cancel in running:
-            cancel.set()
+            running = [s for key, s in self._sessions.items() if key.partition("/")[0] == browser and not s.cancelled]
+        for session in running:
+            session.cancel()
         return bool(running)
 
-    def end(self, key: str, cancel: Cancel) -> None:
+    def close(self, session: RunSession) -> None:
         with self._lock:
-            if self._cancels.get(key) is cancel:
-                del self._cancels[key]
+            if self._sessions.get(session.key) is session:
+                del self._sessions[session.key]
 
-    # -- the pair's lock -----------------------------------------------------------------------------------------------
-    def locked(self, cancel: Cancel) -> Iterator[Status | bool]:
-        """Wait for the pair's run lock, yielding one Status while another run holds it; yields True once held
-        (the caller releases it) or returns early if cancelled."""
-        told = False
-        while not self.pairs.run_lock.acquire(timeout=0.2):
-            if cancel.is_set():
-                return
-            if not told:
-                told = True
-                yield Status("waiting for another run on this model pair to finish…")
-        yield True
+    def page(self, browser: str) -> PageState:
+        with self._lock:
+            state = self._pages.pop(browser, None) or PageState()
+            self._pages[browser] = state
+            while len(self._pages) > self.MAX_PAGES:
+                self._pages.popitem(last=False)
+            return state
 
-    def holding(self, cancel: Cancel, body: Iterator, cancelled: tuple = ()) -> Iterator:
-        """`body`'s items, produced on the compute thread (treeviz/compute_thread.py) while holding the pair's run
-        lock (a Status while waiting for it, here in the caller's thread: waiting there would hold up the run that
-        has the lock; `cancelled`'s items instead if the run is cancelled first). The lock is released when the body
-        ends or the consumer closes this generator (Stop)."""
-        held = False
-        try:
-            for item in self.locked(cancel):
-                if item is True:
-                    held = True
-                else:
-                    yield item
-            if not held:
-                yield from cancelled
-                return
-            yield from COMPUTE.stepped(body)  # the model work, on the app's one compute thread
-        finally:
-            if held:
-                self.pairs.run_lock.release()
-
-    # -- the work ------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def iterate(pair, spec: RunSpec, cancel: Cancel, stream: bool) -> Generator[Step, None, RunResult | None]:
-        """The one decoding loop: run `spec` to its end (a Step after every iteration when `stream`); returns its
-        result, or None if cancelled between iterations."""
-        run = start_run(pair, spec)
-        for _ in run:
-            if stream:
-                yield Step(run)
-            if cancel.is_set():
-                return None
-        return run.result
+    def loaded_pair(self, spec: RunSpec, button: str):
+        pair = self.pairs.ready(spec.pair, timeout=0)
+        if pair is None:
+            raise UserError(f"the model pair is not loaded yet: press {button} again")
+        return pair
 
     def ar_key(self, pair, spec: RunSpec) -> tuple:
         steps = pair.describe_capture() if pair.capture_ready and spec.capture != "off" else "eager"
         return ARCache.key(self.pairs.loaded_name, pair.dtype, spec, steps)
 
-    def baseline(self, pair, spec: RunSpec, cancel: Cancel) -> Generator[Status, None, Baseline | None]:
-        """AR on the same prompt and settings: from the cache, else measured now (a Status first); None if
-        cancelled while measuring."""
-        key = self.ar_key(pair, spec)
-        cached = self.ar_cache.baseline(key)
-        if cached is not None:
-            return cached
-        yield Status("measuring plain autoregressive decoding on the same prompt…")
-        result = yield from self.iterate(pair, spec.as_method(AR), cancel, stream=False)
-        return None if result is None else self.ar_cache.put(key, result)
-
-    def decode(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | Step | Done]:
-        """Decode `spec` under the pair's lock: a Step after every iteration, Done as soon as it ends, then Done
-        again with AR beside it once AR is measured (or found in the cache)."""
-        return self.holding(cancel, self._decode(pair, spec, cancel), cancelled=(Done(None),))
-
-    def _decode(self, pair, spec: RunSpec, cancel: Cancel) -> Iterator[Status | Step | Done]:
-        result = yield from self.iterate(pair, spec, cancel, stream=True)
-        if result is None:
-            yield Done(None)
-            return
-        if spec.strategy == AR:
-            self.ar_cache.put(self.ar_key(pair, spec), result)
-        if self.ar_key(pair, spec) not in self.ar_cache:
-            yield Done(result)  # show the run now; AR follows
-        baseline = yield from self.baseline(pair, spec, cancel)
-        if baseline is None:  # cancelled while measuring AR: the run stays shown, without a baseline
-            return
-        if result is baseline.result:  # an AR run is its own baseline, measured just now
-            baseline.reused = False
-        attach_comparison(result, baseline)
-        yield Done(result, baseline.result)
-
-    def compare(self, pair, spec: RunSpec, methods: list[str], cancel: Cancel) -> Iterator[Status | Done]:
-        """AR and each of `methods` on one prompt; a Done(result, ar) per method, AR first."""
-        return self.holding(cancel, self._compare(pair, spec, methods, cancel))
-
-    def _compare(self, pair, spec: RunSpec, methods: list[str], cancel: Cancel) -> Iterator[Status | Done]:
-        baseline = yield from self.baseline(pair, spec, cancel)
-        if baseline is None:
-            return
-        ar = baseline.result
-        attach_comparison(ar, baseline)
-        yield Done(ar, ar)
-        for name in methods:
-            yield Status(f"running {name}…")
-            method = spec.as_method(name, spec.params if name == spec.strategy else {})
-            result = yield from self.iterate(pair, method, cancel, stream=False)
-            if result is None:
-                return
-            attach_comparison(result, baseline)
-            yield Done(result, ar)
-
 
 BACKEND = Backend()  # one per process: the handlers (and tests) reach it as this module global, never as an argument
+
+
+# -- the model work (GPU side) -----------------------------------------------------------------------------------------
+def run_to_end(pair, spec: RunSpec, session: RunSession) -> RunResult | None:
+    """`spec` decoded to its end, unobserved; None if the session was cancelled between iterations."""
+    run = start_run(pair, spec)
+    for _ in run:
+        if session.cancelled:
+            return None
+    return run.result
+
+
+def baseline(pair, spec: RunSpec, session: RunSession) -> Iterator[Progress]:
+    """AR on `spec`'s prompt and settings: from the cache, else measured now (a Progress first); returns a Baseline,
+    or None if cancelled while measuring."""
+    key = BACKEND.ar_key(pair, spec)
+    cached = BACKEND.ar_cache.baseline(key)
+    if cached is not None:
+        return cached
+    yield Progress("measuring plain autoregressive decoding on the same prompt…")
+    result = run_to_end(pair, spec.as_method(AR), session)
+    return None if result is None else BACKEND.ar_cache.put(key, result)
+
+
+def _run_seconds(spec: RunSpec, key: str) -> int:
+    """The GPU slot to ask ZeroGPU for: generous per token, capped (longer asks wait longer in its queue)."""
+    return min(GPU_SECONDS_MAX, 20 + spec.max_new_tokens // 4)
+
+
+@gpu(duration=_run_seconds)
+def decode_events(spec: RunSpec, key: str) -> Iterator[Event]:
+    """A Run: Iteration events while it decodes (as often as the throttle allows: treeviz/throttle.py), Finished
+    when it ends (AR beside it if cached), else BaselineMeasured once AR on the same prompt is measured."""
+    session, pair = BACKEND.session_of(key), BACKEND.loaded_pair(spec, "Run")
+    run, throttle, shown = start_run(pair, spec), UpdateThrottle(), 0
+    for _ in run:
+        if session.cancelled:
+            yield Stopped(session.superseded)
+            return
+        if throttle.due():
+            started, snap = throttle.clock(), run.snapshot()  # only when shown: it re-decodes the text
+            yield Iteration(snap, len(snap.iterations) - shown)
+            shown = len(snap.iterations)
+            throttle.sent(started)  # resumed: the update was built and sent meanwhile
+    result, ar_key = run.result, BACKEND.ar_key(pair, spec)
+    measured = BACKEND.ar_cache.put(ar_key, result) if spec.strategy == AR else BACKEND.ar_cache.baseline(ar_key)
+    if measured is not None:  # an AR run is its own baseline, measured just now
+        attach_comparison(result, measured)
+        yield Finished(result, measured.result)
+        return
+    yield Finished(result)
+    ar = run_to_end(pair, spec.as_method(AR), session)
+    if ar is None:  # the run stays shown, without a baseline
+        yield Stopped(session.superseded)
+        return
+    attach_comparison(result, BACKEND.ar_cache.put(ar_key, ar))
+    yield BaselineMeasured(result, ar)
+
+
+def _compare_seconds(spec: RunSpec, methods: list[str], key: str) -> int:
+    return min(GPU_SECONDS_MAX, 20 + (1 + len(methods)) * spec.max_new_tokens // 4)
+
+
+@gpu(duration=_compare_seconds)
+def compare_events(spec: RunSpec, methods: list[str], key: str) -> Iterator[Event]:
+    """AR and each of `methods` on one prompt, unobserved: a Finished(result, ar) per method, AR first."""
+    session, pair = BACKEND.session_of(key), BACKEND.loaded_pair(spec, "Compare")
+    measured: Baseline | None = yield from baseline(pair, spec, session)
+    if measured is None:
+        yield Stopped(session.superseded)
+        return
+    ar = measured.result
+    attach_comparison(ar, measured)
+    yield Finished(ar, ar)
+    for name in methods:
+        yield Progress(f"running {name}…")
+        result = run_to_end(pair, spec.as_method(name, spec.params if name == spec.strategy else {}), session)
+        if result is None:
+            yield Stopped(session.superseded)
+            return
+        attach_comparison(result, measured)
+        yield Finished(result, ar)
+
+
+def _race_seconds(lanes: list[tuple[str, RunSpec]], key: str) -> int:
+    return min(GPU_SECONDS_MAX, 20 + len(lanes) * (lanes[0][1].max_new_tokens + WARM_UP_TOKENS) // 4)
+
+
+@gpu(duration=_race_seconds)
+def race_events(lanes: list[tuple[str, RunSpec]], key: str) -> Iterator[Event]:
+    """Every lane warmed up (a short run, discarded), then each decoded to its end, unobserved, one after the other;
+    Raced with every lane compared with this request's AR (fresh, never from the cache). Without the warm-up the
+    first lane, AR, would pay for the allocator's growth and kernel selection alone and read slow."""
+    session, pair = BACKEND.session_of(key), BACKEND.loaded_pair(lanes[0][1], "Race")
+    yield Progress(f"race: warming up {len(lanes)} lanes (short runs, not timed)…")
+    for _, spec in lanes:
+        if run_to_end(pair, spec.warm_up(), session) is None:
+            yield Stopped(session.superseded)
+            return
+    runs = []
+    for k, (label, spec) in enumerate(lanes, start=1):
+        yield Progress(f"race: decoding {label} unobserved ({k} of {len(lanes)})…")
+        result = run_to_end(pair, spec, session)
+        if result is None:
+            yield Stopped(session.superseded)
+            return
+        runs.append((label, result))
+    measured = BACKEND.ar_cache.put(BACKEND.ar_key(pair, lanes[0][1]), runs[0][1])
+    for _, result in runs:
+        attach_comparison(result, measured)
+    yield Raced(runs)
+
+
+def _sweep_seconds(spec: RunSpec, values: list[int], key: str) -> int:
+    return min(GPU_SECONDS_MAX, 20 + (len(values) + 1) * spec.max_new_tokens // 4)
+
+
+@gpu(duration=_sweep_seconds)
+def sweep_events(spec: RunSpec, values: list[int], key: str) -> Iterator[Event]:
+    """engine.bench.sweep's progress as Swept events (the session's flag as its cancel)."""
+    session, pair = BACKEND.session_of(key), BACKEND.loaded_pair(spec, "Sweep")
+    for progress in run_sweep(pair, spec, values, cancel=lambda: session.cancelled):
+        yield Stopped(session.superseded) if progress.get("cancelled") else Swept(progress)

@@ -1,10 +1,10 @@
-"""The Race and the Sweep: the Gradio handlers of the teaching tabs, on the skeleton of treeviz/handlers.py
-(`in_session` around, `reported` inside a `gpu`-decorated generator, the pair's run lock held by `Backend.holding`).
+"""The Race and the Sweep: the Gradio handlers of the teaching tabs. Like Run and Compare (treeviz/handlers.py), each
+opens a RunSession for its view and turns its typed events into updates in one place.
 
-The race decodes AR and each strategy UNOBSERVED (`Backend.iterate(stream=False)`: nothing is drawn while they run,
-only a status line), back to back in one request, AR measured fresh (never taken from the AR cache), so its speedups
-are the app's fair measurement; treeviz/race.py replays the runs from their measured timestamps. The sweep runs
-engine.bench.sweep (one strategy at several sizes of its size knob, plus AR), the session's Stop flag as its cancel.
+The race decodes AR and each strategy UNOBSERVED (runs.race_events: nothing is drawn while they run, only a status
+line), back to back in one request, AR measured fresh (never taken from the AR cache), so its speedups are the app's
+fair measurement; treeviz/race.py replays the runs from their measured timestamps. The sweep runs engine.bench.sweep
+(one strategy at several sizes of its size knob, plus AR; runs.sweep_events), the session's flag as its cancel.
 
 Race outputs: RACE_OUTPUTS (the runs as state, the race figure, a status line, the summary as JSON); Sweep outputs:
 SWEEP_OUTPUTS (the sweep figure, a status line, the sweep as JSON). API callers read the last value.
@@ -16,15 +16,13 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from engine.bench.sweep import DEFAULT_POINTS, MAX_POINTS, run_sweep, size_param, size_values
-from engine.session import AR, WARM_UP_TOKENS, RunSpec, check_spec
+from engine.bench.sweep import DEFAULT_POINTS, MAX_POINTS, size_param, size_values
+from engine.session import AR, RunSpec, check_spec
 from engine.strategies import STRATEGIES
-from treeviz.ar_cache import attach_comparison
 from treeviz.errors import USER_FACING
-from treeviz.gpu import GPU_SECONDS_MAX, gpu
-from treeviz.handlers import in_session, loaded_pair, reported, spec_from_inputs, status_update
+from treeviz.handlers import browser_of, spec_from_inputs, status_update
 from treeviz.race import NOTE, race_figure, race_summary, seconds
-from treeviz.runs import BACKEND, Status
+from treeviz.runs import BACKEND, Event, Failed, Progress, Raced, Started, Stopped, Swept, race_events, sweep_events
 from treeviz.sweep_figure import sweep_figure
 from treeviz.views import outputs, status_html
 
@@ -78,57 +76,27 @@ def race(prompt: str, chat: bool, pair: str, strategies: list[str], max_new_toke
     spec = spec_from_inputs(prompt, chat, pair, AR, "cpu", max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, {})
     lanes = race_lanes(spec, strategies)
-    opening = outputs({"status": status_html(f"race: {len(lanes)} lanes on {spec.pair}, decoding unobserved…")},
-                      RACE_OUTPUTS)
-    yield from in_session(request, spec, RACE_OUTPUTS, opening, lambda session: race_views(lanes, session),
-                          view="race")
+    session = BACKEND.open(browser_of(request), "race")
+    opening = f"race: {len(lanes)} lanes on {spec.pair}, decoding unobserved…"
+    for event in session.events(opening, spec.pair, race_events, lanes):
+        yield race_update(event)
 
 
-def _race_seconds(lanes: list[tuple[str, RunSpec]], session: str) -> int:
-    return min(GPU_SECONDS_MAX, 20 + len(lanes) * (lanes[0][1].max_new_tokens + WARM_UP_TOKENS) // 4)
-
-
-@gpu(duration=_race_seconds)
-def race_views(lanes: list[tuple[str, RunSpec]], session: str) -> Iterator[tuple]:
-    """Status lines while the lanes decode, then the race (picklable values, like handlers.decode_views)."""
-    yield from reported(_race_updates(lanes, session), RACE_OUTPUTS, "race")
-
-
-def _race_updates(lanes: list[tuple[str, RunSpec]], session: str) -> Iterator[tuple]:
-    cancel = BACKEND.cancel_of(session)
-    pair = loaded_pair(lanes[0][1], "Race")
-    for item in BACKEND.holding(cancel, _decode_lanes(pair, lanes, cancel)):
-        if isinstance(item, Status):
-            yield status_update(item.text, names=RACE_OUTPUTS)
-            continue
-        runs = item
-        baseline = BACKEND.ar_cache.put(BACKEND.ar_key(pair, lanes[0][1]), runs[0][1])
-        for _, result in runs:  # AR fresh from this request: every lane's comparison says "measured for this run"
-            attach_comparison(result, baseline)
-        summary = race_json(runs)
-        yield outputs({"race_runs": runs, "race_plot": race_figure(runs), "status": race_status_html(summary),
-                       "race_summary": summary}, RACE_OUTPUTS)
-        return
-    if not cancel.superseded:
-        yield status_update("race stopped: nothing to show until every lane has finished", names=RACE_OUTPUTS)
-
-
-def _decode_lanes(pair, lanes: list[tuple[str, RunSpec]], cancel) -> Iterator[Status | list]:
-    """Every lane warmed up (a short run, discarded), then each decoded to its end, one after the other, nothing
-    streamed; the list of (label, RunResult) last (nothing if cancelled). Without the warm-up the first lane, AR,
-    would pay for the allocator's growth and kernel selection alone and read slow."""
-    yield Status(f"race: warming up {len(lanes)} lanes (short runs, not timed)…")
-    for _, spec in lanes:
-        if (yield from BACKEND.iterate(pair, spec.warm_up(), cancel, stream=False)) is None:
-            return
-    runs = []
-    for k, (label, spec) in enumerate(lanes, start=1):
-        yield Status(f"race: decoding {label} unobserved ({k} of {len(lanes)})…")
-        result = yield from BACKEND.iterate(pair, spec, cancel, stream=False)
-        if result is None:
-            return
-        runs.append((label, result))
-    yield runs
+def race_update(event: Event) -> tuple:
+    """One race event as RACE_OUTPUTS: status lines while the lanes decode, then the race."""
+    match event:
+        case Started(text) | Progress(text, _):
+            return status_update(text, names=RACE_OUTPUTS)
+        case Raced(runs):
+            summary = race_json(runs)
+            return outputs({"race_runs": runs, "race_plot": race_figure(runs), "status": race_status_html(summary),
+                            "race_summary": summary}, RACE_OUTPUTS)
+        case Stopped(superseded):
+            return outputs({}, RACE_OUTPUTS) if superseded else status_update(
+                "race stopped: nothing to show until every lane has finished", names=RACE_OUTPUTS)
+        case Failed(message):
+            return status_update(message, error=True, names=RACE_OUTPUTS)
+    raise TypeError(f"not a race event: {event!r}")
 
 
 def race_json(runs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -181,41 +149,33 @@ def sweep(prompt: str, chat: bool, pair: str, strategy: str, preset: str, params
     spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, params)
     values = sweep_values(spec, size_min, size_max, points)
-    opening = outputs({"status": status_html(f"sweep: {spec.strategy} at {values} and AR…", progress=0.0)},
-                      SWEEP_OUTPUTS)
-    yield from in_session(request, spec, SWEEP_OUTPUTS, opening, lambda session: sweep_views(spec, values, session),
-                          view="sweep")
+    session = BACKEND.open(browser_of(request), "sweep")
+    for event in session.events(f"sweep: {spec.strategy} at {values} and AR…", spec.pair, sweep_events, spec, values):
+        yield sweep_update(event)
 
 
-def _sweep_seconds(spec: RunSpec, values: list[int], session: str) -> int:
-    return min(GPU_SECONDS_MAX, 20 + (len(values) + 1) * spec.max_new_tokens // 4)
-
-
-@gpu(duration=_sweep_seconds)
-def sweep_views(spec: RunSpec, values: list[int], session: str) -> Iterator[tuple]:
-    yield from reported(_sweep_updates(spec, values, session), SWEEP_OUTPUTS, "sweep")
-
-
-def _sweep_updates(spec: RunSpec, values: list[int], session: str) -> Iterator[tuple]:
-    cancel = BACKEND.cancel_of(session)
-    pair = loaded_pair(spec, "Sweep")
-    last = None
-    for item in BACKEND.holding(cancel, run_sweep(pair, spec, values, cancel=cancel.is_set)):
-        if isinstance(item, Status):
-            yield status_update(item.text, names=SWEEP_OUTPUTS)
-            continue
-        last = item
-        yield outputs({"sweep_plot": sweep_figure(item["sweep"]), "status": sweep_status_html(item),
-                       **({"sweep_summary": sweep_json(item)} if item.get("complete") else {})}, SWEEP_OUTPUTS)
-    if last is None and not cancel.superseded:
-        yield status_update("sweep stopped before its first run finished", names=SWEEP_OUTPUTS)
+def sweep_update(event: Event) -> tuple:
+    """One sweep event as SWEEP_OUTPUTS: the curves so far after every run, the sweep as JSON once complete."""
+    match event:
+        case Started(text):
+            return status_update(text, names=SWEEP_OUTPUTS, progress=0.0)
+        case Progress(text, fraction):
+            return status_update(text, names=SWEEP_OUTPUTS, progress=fraction)
+        case Swept(progress):
+            return outputs({"sweep_plot": sweep_figure(progress["sweep"]), "status": sweep_status_html(progress),
+                            **({"sweep_summary": sweep_json(progress)} if progress.get("complete") else {})},
+                           SWEEP_OUTPUTS)
+        case Stopped(superseded):
+            return outputs({}, SWEEP_OUTPUTS) if superseded else status_update(
+                "sweep stopped (a stopped sweep is not cached)", names=SWEEP_OUTPUTS)
+        case Failed(message):
+            return status_update(message, error=True, names=SWEEP_OUTPUTS)
+    raise TypeError(f"not a sweep event: {event!r}")
 
 
 def sweep_status_html(event: dict[str, Any]) -> str:
     """Progress (runs done of the total) while it runs; the peak and its speedup once complete."""
     sweep, done, total = event["sweep"], event["done"], event["total"]
-    if event.get("cancelled"):
-        return status_html(f"sweep stopped after {done} of {total} runs (nothing cached)")
     if not event.get("complete"):
         return status_html(f"sweep: {done} of {total} runs done (AR, then {sweep['strategy']} at {sweep['param']} = "
                            f"{', '.join(map(str, sweep['values']))})", progress=done / total)

@@ -21,27 +21,18 @@ import plotly.graph_objects as go
 from engine.bench.sweep import DEFAULT_POINTS, MAX_POINTS
 from engine.strategies import STRATEGIES
 from treeviz import teaching_handlers
-from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
+from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure
 from treeviz.export import export_html
-from treeviz.handlers import rendered_after_run
+from treeviz.handlers import browser_of
 from treeviz.replay import TRACE_DIR
-from treeviz.stepthrough import stepthrough_figure
+from treeviz.runs import BACKEND
 from treeviz.sweep_figure import sweep_figure
-from treeviz.tree_figure import run_frame, tree_figure
-from treeviz.views import status_html
+from treeviz.views import empty_figure, iteration_panels, shown_tree, status_html
 
 log = logging.getLogger("treeviz")
 SWEEP_DIR = TRACE_DIR / "sweeps"
 RACE_HINT = ("Pick strategies and press Race: AR and each strategy decode the prompt one after the other, unobserved "
              "(only this status line while they run), then replay side by side at their measured pace.")
-
-
-def empty_figure(text: str, height: int = 360) -> go.Figure:
-    fig = go.Figure()
-    fig.update_layout(template="plotly_white", height=height, xaxis={"visible": False}, yaxis={"visible": False},
-                      margin={"l": 10, "r": 10, "t": 30, "b": 10},
-                      annotations=[{"text": text, "showarrow": False, "font": {"size": 14, "color": "#666"}}])
-    return fig
 
 
 def default_sweep() -> tuple[dict | None, str]:
@@ -129,36 +120,6 @@ def knob_text(strategy: str) -> str:
             "plus AR once, on the prompt: L̄, acceptance and tokens/s against the size.")
 
 
-# -- the shown run's teaching views (no models) ----------------------------------------------------------------------
-def iteration_panels(run, index: Any, entropy: bool) -> tuple:
-    """The selected iteration step by step, the run's acceptance-length histogram, and (with the entropy switch on)
-    the tree with nodes sized by the draft's entropy; the tree is left alone otherwise."""
-    if run is None or not run.iterations:
-        return empty_figure("pick a gallery trace or run a prompt"), acceptance_histogram_figure([]), gr.skip()
-    its = run.iterations
-    it = its[max(0, min(int(index or 0), len(its) - 1))]
-    try:
-        step = stepthrough_figure(it, run)
-    except (ValueError, KeyError, StopIteration) as err:  # a hand-made trace without a root, say
-        step = empty_figure(f"iteration {it.index} cannot be stepped through: {err}")
-    histogram = acceptance_histogram_figure([(str(run.strategy), run)])
-    return step, histogram, (shown_tree(run, index, True) if entropy else gr.skip())
-
-
-def shown_tree(run, index: Any, entropy: bool) -> go.Figure:
-    """The tree view of iteration `index`, its nodes sized by draft entropy when `entropy`."""
-    if run is None or not run.iterations:
-        return tree_figure(None)
-    its = run.iterations
-    it = its[max(0, min(int(index or 0), len(its) - 1))]
-    if not entropy:
-        return tree_figure(it, frame=run_frame(its))
-    fig = tree_figure(it, frame=run_frame(its), sizes=entropy_sizes(it))
-    fig.update_layout(title_text=f"{fig.layout.title.text}<br><span style='font-size:11px'>node size: "
-                                 f"{ENTROPY_NOTE}</span>")
-    return fig
-
-
 def download_html(race_runs, run, index: Any) -> Any:
     """export_html of the race (if any), the shown run and its selected iteration, as a file to download."""
     iteration = None
@@ -197,50 +158,39 @@ def with_frames(event, plot, elem_id: str) -> Any:
     return event.then(None, [plot], None, js=FRAMES_JS.replace("ELEM", elem_id), api_visibility="private")
 
 
-def panels_after_run(run, index: Any, entropy: bool, request: gr.Request) -> tuple:
-    """iteration_panels once a Run or Compare ends, unless a newer one of the session decodes now or began while
-    this rendered (handlers.rendered_after_run: its own updates own the views)."""
-    return rendered_after_run(request, lambda: iteration_panels(run, index, entropy), (gr.skip(),) * 3)
-
-
-def follow(ui: SimpleNamespace, event, after_run: bool = False) -> Any:
-    """After `event` shows a run or another iteration of it: the step-through, the histogram, the entropy tree
-    (`after_run`: `event` is a Run or Compare that ended, panels_after_run)."""
-    panels = event.then(panels_after_run if after_run else iteration_panels, [ui.run_state, ui.scrubber, ui.entropy],
+def follow(ui: SimpleNamespace, event) -> Any:
+    """After `event` shows another iteration or a replayed run (no models): the step-through, the histogram, the
+    entropy tree. A Run or Compare carries these panels in its own last update (treeviz/handlers.py)."""
+    panels = event.then(iteration_panels, [ui.run_state, ui.scrubber, ui.entropy],
                         [ui.step_plot, ui.acceptance, ui.tree], show_progress="hidden", queue=False,
                         api_visibility="private")
     return with_frames(panels, ui.step_plot, "tv-step")
 
 
-def wire(ui: SimpleNamespace) -> list:
-    """Race, Sweep (both on the API, with named parameters), the entropy switch and the HTML download; returns the
-    events Stop cancels. Needs ui.collect (treeviz.ui._wire_runs: the strategy's parameters into ui.params)."""
+def entropy_switched(run, index: Any, entropy: bool, request: gr.Request) -> go.Figure:
+    """The entropy switch: the shown tree re-drawn, and the switch kept as the page's state (a running Run's last
+    update draws its tree the same way)."""
+    BACKEND.page(browser_of(request)).entropy = bool(entropy)
+    return shown_tree(run, index, entropy)
+
+
+def wire(ui: SimpleNamespace) -> None:
+    """Race, Sweep (both on the API, with named parameters), the entropy switch and the HTML download. Needs
+    ui.collect (treeviz.ui._wire_runs: the strategy's parameters into ui.params)."""
     sampling = [ui.temperature, ui.top_p, ui.top_k, ui.seed, ui.verifier]
     race = ui.race_btn.click(
         teaching_handlers.race, [ui.prompt, ui.chat, ui.pair, ui.race_strategies, ui.max_new, *sampling],
         [ui.race_runs, ui.race_plot, ui.race_status, ui.race_summary], api_name="race", concurrency_limit=None,
         show_progress="minimal")
     with_frames(race, ui.race_plot, "tv-race")
-    sweep = ui.sweep_btn.click(**ui.collect).then(
+    ui.sweep_btn.click(**ui.collect).then(
         teaching_handlers.sweep, [ui.prompt, ui.chat, ui.pair, ui.strategy, ui.preset, ui.params, ui.max_new,
                                   ui.sweep_min, ui.sweep_max, ui.sweep_points, *sampling],
         [ui.sweep_plot, ui.sweep_status, ui.sweep_summary], api_name="sweep", concurrency_limit=None,
         show_progress="minimal")
-    ui.entropy.input(shown_tree, [ui.run_state, ui.scrubber, ui.entropy], ui.tree, show_progress="hidden",
+    ui.entropy.input(entropy_switched, [ui.run_state, ui.scrubber, ui.entropy], ui.tree, show_progress="hidden",
                      queue=False, api_visibility="private")
     ui.strategy.change(knob_text, ui.strategy, ui.sweep_knob, show_progress="hidden", queue=False,
                        api_visibility="private")
     ui.html_btn.click(download_html, [ui.race_runs, ui.run_state, ui.scrubber], ui.html_file,
                       api_visibility="private")
-    ui.stop_btn.click(stopped_lines, [ui.race_status, ui.sweep_status], [ui.race_status, ui.sweep_status],
-                      queue=False, show_progress="hidden", api_visibility="private")
-    return [race, sweep]
-
-
-def stopped_lines(race: str, sweep: str) -> tuple:
-    """Stop pressed: a race or sweep status line still in progress (an ellipsis, a progress bar) says it stopped
-    (Stop cancels the handler itself, so it cannot say so); finished lines stay."""
-    def busy(line: str) -> bool:
-        return isinstance(line, str) and ("…" in line or "tv-bar" in line) and "tv-status err" not in line
-    return (status_html("race stopped: nothing to show until every lane has finished") if busy(race) else gr.skip(),
-            status_html("sweep stopped (a stopped sweep is not cached)") if busy(sweep) else gr.skip())

@@ -191,43 +191,38 @@ def _tabs(ui: SimpleNamespace) -> None:
 
 
 # -- wiring ------------------------------------------------------------------------------------------------------------
-def _wire_runs(ui: SimpleNamespace) -> list:
-    """Run (button, Enter, releasing a slider), Compare; returns the events Stop cancels. Each run trigger first
-    collects the strategy's parameters by name into ui.params (ui.collect), then calls the run handler with them (so
-    /run takes them by name too)."""
+def _wire_runs(ui: SimpleNamespace) -> None:
+    """Run (button, Enter, releasing a slider), Compare. Each run trigger first collects the strategy's parameters by
+    name into ui.params (ui.collect), then calls the run handler with them (so /run takes them by name too); the
+    handler's last update carries every view and the teaching panels (the step-through's animation frames are added
+    by the page's script after it)."""
     settings = [ui.prompt, ui.chat, ui.pair, ui.strategy, ui.preset, ui.max_new, ui.temperature, ui.top_p, ui.top_k,
                 ui.seed, ui.verifier, ui.params]
     ui.view_outputs = [getattr(ui, name) for name in VIEW_NAMES]
     ui.run_outputs = [ui.run_state, ui.ar_state, ui.scrubber, ui.run_status, ui.download] + ui.view_outputs
+    panels = [ui.step_plot, ui.acceptance]
     ui.collect = collect = dict(fn=ui.controls.collect, inputs=[ui.strategy, *ui.controls.components],
                                 outputs=ui.params, queue=False, show_progress="hidden", api_visibility="private")
     live = ui.controls.components + [ui.max_new, ui.temperature, ui.top_p, ui.top_k]
     triggers = [(ui.run_btn.click, "run"), (ui.prompt.submit, None)] + [
         (c.release if isinstance(c, gr.Slider) else c.input if isinstance(c, gr.Checkbox) else c.submit, None)
-        for c in live]  # live tuning: committing a new value re-runs (cancelling the older Run, not a race or sweep)
-    runs = []
+        for c in live]  # live tuning: committing a new value re-runs (superseding the older Run, not a race or sweep)
     for trigger, api_name in triggers:
         run = trigger(**collect).then(
-            handlers.run, settings + [ui.stage_mode], ui.run_outputs, concurrency_limit=None,
+            handlers.run, settings + [ui.stage_mode], ui.run_outputs + panels, concurrency_limit=None,
             show_progress="minimal" if api_name else "hidden",
             **({"api_name": api_name} if api_name else {"api_visibility": "private"}))
-        runs.append(run)
-        # the run's last value shows its last iteration; a user who scrubbed while AR was measured gets that
-        # iteration back
-        teaching_ui.follow(ui, run.then(
-            show_after_run, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
-            show_progress="hidden", queue=False, api_visibility="private"), after_run=True)
+        teaching_ui.with_frames(run, ui.step_plot, "tv-step")
     compare = ui.compare_btn.click(**collect).then(
         handlers.compare, settings + [ui.compare_methods, ui.stage_mode],
-        ui.run_outputs + [ui.compare_table, ui.compare_plot, ui.compare_calibration, ui.compare_histogram],
+        ui.run_outputs + [ui.compare_table, ui.compare_plot, ui.compare_calibration, ui.compare_histogram] + panels,
         concurrency_limit=None, api_name="compare")
-    teaching_ui.follow(ui, compare, after_run=True)
-    return runs + [compare]
+    teaching_ui.with_frames(compare, ui.step_plot, "tv-step")
 
 
-def _wire_stop(ui: SimpleNamespace, events: list) -> None:
-    ui.stop_btn.click(handlers.stop, None, ui.run_status, api_name="stop", concurrency_limit=None, queue=False,
-                      cancels=events)
+def _wire_stop(ui: SimpleNamespace) -> None:
+    """Stop raises the flag of everything this browser session runs; each run says it stopped in its own line."""
+    ui.stop_btn.click(handlers.stop, None, ui.run_status, api_name="stop", concurrency_limit=None, queue=False)
 
 
 def _wire_views(ui: SimpleNamespace) -> None:
@@ -249,19 +244,14 @@ def _wire_views(ui: SimpleNamespace) -> None:
                                             api_name="gallery"))
 
 
-def show_iteration(run, ar, index, stage_mode, node):
-    """Every view at iteration `index` (node `node` inspected): scrubbing, no models involved."""
+def show_iteration(run, ar, index, stage_mode, node, request: gr.Request = None):
+    """Every view at iteration `index` (node `node` inspected): scrubbing, no models involved. The index is kept as
+    the page's state: a Run whose AR is still being measured ends on it."""
     if run is None:  # nothing to show yet: leave the views alone
         return [gr.skip()] * len(VIEW_NAMES)
+    BACKEND.page(handlers.browser_of(request)).shown = None if index is None else int(index)
     views = render_views(run, ar, index, stage_mode, node)
     return [views[name] for name in VIEW_NAMES]
-
-
-def show_after_run(run, ar, index, stage_mode, node, request: gr.Request):
-    """show_iteration once a Run ends (a user who scrubbed meanwhile gets that iteration back), unless a newer Run or
-    Compare of the session decodes now or began while this rendered (handlers.rendered_after_run)."""
-    return handlers.rendered_after_run(request, lambda: show_iteration(run, ar, index, stage_mode, node),
-                                       [gr.skip()] * len(VIEW_NAMES))
 
 
 def on_gallery(path, stage_mode):
@@ -317,7 +307,9 @@ def build_demo(initial_pair: str = "default", load_on_start: bool = True) -> gr.
             with gr.Column(scale=3):
                 _views(ui)
                 _tabs(ui)
-        _wire_stop(ui, _wire_runs(ui) + teaching_ui.wire(ui))
+        _wire_runs(ui)
+        teaching_ui.wire(ui)
+        _wire_stop(ui)
         _wire_views(ui)
         _wire_controls(ui, examples)
         demo.load(model_status_html, None, ui.model_status, queue=False, api_visibility="private")

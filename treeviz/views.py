@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+import plotly.graph_objects as go
 
 from engine.core.trace import RunResult
 from treeviz.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
+from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
 from treeviz.html import badge_html, metrics_html, metrics_rows, tokens_html
 from treeviz.inspector import inspect
+from treeviz.stepthrough import stepthrough_figure
 from treeviz.tree_figure import run_frame, tree_figure
 
 # the view components, in this order, after the run state, AR state, scrubber, status and download in every handler's
@@ -24,6 +27,7 @@ from treeviz.tree_figure import run_frame, tree_figure
 VIEW_NAMES = ("tree", "text", "metrics", "charts", "throughput", "badge", "node", "inspector", "inspector_plot",
               "calibration", "costs")
 RUN_OUTPUTS = ("run", "ar", "scrubber", "status", "download") + VIEW_NAMES
+PANEL_NAMES = ("step_plot", "acceptance")  # the teaching panels of the shown run (iteration_panels)
 PENDING_BADGE = "<span class='tv-badge tv-na'>output vs AR: measured when the run ends</span>"
 MEASURING_BADGE = "<span class='tv-badge tv-na'>output vs AR: measuring AR on the same prompt…</span>"
 
@@ -116,3 +120,53 @@ def compare_row(result: RunResult, ar: RunResult) -> dict:
     comparison = result.comparison or {}
     row["matches AR"] = "yes" if comparison.get("exact_match") else f"from token {comparison.get('first_divergence')}"
     return row
+
+
+# -- the shown run's teaching panels ---------------------------------------------------------------------------------
+def empty_figure(text: str, height: int = 360) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(template="plotly_white", height=height, xaxis={"visible": False}, yaxis={"visible": False},
+                      margin={"l": 10, "r": 10, "t": 30, "b": 10},
+                      annotations=[{"text": text, "showarrow": False, "font": {"size": 14, "color": "#666"}}])
+    return fig
+
+
+def iteration_panels(run, index: Any, entropy: bool) -> tuple:
+    """The selected iteration step by step, the run's acceptance-length histogram, and (with the entropy switch on)
+    the tree with nodes sized by the draft's entropy; the tree is left alone otherwise."""
+    if run is None or not run.iterations:
+        return empty_figure("pick a gallery trace or run a prompt"), acceptance_histogram_figure([]), gr.skip()
+    its = run.iterations
+    it = its[max(0, min(int(index or 0), len(its) - 1))]
+    try:
+        step = stepthrough_figure(it, run)
+    except (ValueError, KeyError, StopIteration) as err:  # a hand-made trace without a root, say
+        step = empty_figure(f"iteration {it.index} cannot be stepped through: {err}")
+    histogram = acceptance_histogram_figure([(str(run.strategy), run)])
+    return step, histogram, (shown_tree(run, index, True) if entropy else gr.skip())
+
+
+def shown_tree(run, index: Any, entropy: bool) -> go.Figure:
+    """The tree view of iteration `index`, its nodes sized by draft entropy when `entropy`."""
+    if run is None or not run.iterations:
+        return tree_figure(None)
+    its = run.iterations
+    it = its[max(0, min(int(index or 0), len(its) - 1))]
+    if not entropy:
+        return tree_figure(it, frame=run_frame(its))
+    fig = tree_figure(it, frame=run_frame(its), sizes=entropy_sizes(it))
+    fig.update_layout(title_text=f"{fig.layout.title.text}<br><span style='font-size:11px'>node size: "
+                                 f"{ENTROPY_NOTE}</span>")
+    return fig
+
+
+def shown_run(run: RunResult, ar_run: RunResult | None, index: int | None, stage_mode: str,
+              entropy: bool) -> dict[str, Any]:
+    """Every view and both teaching panels of iteration `index` (None: the last) of a finished run, by name: what
+    the last update of a Run or Compare carries."""
+    index = last_index(run) if index is None else index
+    step, histogram, _ = iteration_panels(run, index, entropy)
+    views = render_views(run, ar_run, index, stage_mode)
+    if entropy and run.iterations:
+        views["tree"] = shown_tree(run, index, True)
+    return {**views, "step_plot": step, "acceptance": histogram}
