@@ -463,3 +463,24 @@ def test_a_run_reaches_the_decoder_through_at_most_four_generator_frames(monkeyp
                           "auto", {}, ["fixed"], "per iteration", request))
     assert seen["ar"] == ["events", "compare", "baseline", "compare_events"], seen  # AR measured first
     assert all(len(frames) <= 4 for frames in seen.values())
+
+
+def test_the_page_names_each_handlers_inputs_by_its_parameters():
+    """Components are declared once, by name (Page's fields): a handler's inputs are the components named by its own
+    parameters, a misspelt name fails while the page is built, and an undeclared one says which it is."""
+    from treeviz.page import Page
+    page = Page(prompt="the prompt box", chat="the chat switch", scrubber="the scrubber")
+
+    def handler(prompt, chat, request=None):
+        return prompt, chat
+    assert page.inputs(handler) == ["the prompt box", "the chat switch"]  # `request` is Gradio's, not a component
+
+    def scrub(chat, index):
+        return chat, index
+    assert page.inputs(scrub, index="scrubber") == ["the chat switch", "the scrubber"]
+    with pytest.raises(AttributeError):
+        page.max_new = 48  # a misspelt field (max_new_tokens) cannot be written
+    with pytest.raises(LookupError, match="'tree'"):
+        page.component("tree")  # declared, not made yet
+    with pytest.raises(LookupError, match="'trees'"):
+        page.outputs(("prompt", "trees"))

@@ -111,9 +111,9 @@ class RunSession:
         return self._cancel.is_set()
 
     def events(self, opening: str, pair_name: str, work: Callable[..., Iterator[Event]], *args: Any) -> Iterator[Event]:
-        """Started, the wait for the pair (Progress, on this side of the GPU boundary), then `work(*args, key)`'s events,
-        each produced on the compute thread under the pair's run lock, until the work ends (its last event is Stopped
-        if it saw the flag itself) or the flag is seen here first: then Stopped, and the work is closed on the
+        """Started, the wait for the pair (Progress, on this side of the GPU boundary), then `work(*args, key)`'s
+        events, each produced on the compute thread under the pair's run lock, until the work ends (its last event is
+        Stopped if it saw the flag itself) or the flag is seen here first: then Stopped, and the work is closed on the
         compute thread (a ZeroGPU worker's task ends with it). Failed on an error. The lock and the session are let
         go when the work ends or the consumer closes this generator."""
         try:

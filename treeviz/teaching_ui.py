@@ -1,6 +1,6 @@
 """The teaching sections of the page: the Race, Step through and Sweep tabs, the acceptance-length
 histograms, the "size nodes by draft entropy" switch and the Download HTML button; each builder adds its components
-to the page namespace `ui` (treeviz/ui.py calls them inside its layout), `wire` connects them.
+to the page (treeviz/page.py's `Page`; treeviz/ui.py calls them inside its layout), `wire` connects them.
 
 Models are touched only by the Race and Sweep handlers (treeviz/teaching_handlers.py); everything else here reads the
 shown run's records, so a gallery trace shows it with no model loaded.
@@ -12,7 +12,6 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import gradio as gr
@@ -24,6 +23,7 @@ from treeviz import teaching_handlers
 from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure
 from treeviz.export import export_html
 from treeviz.handlers import browser_of
+from treeviz.page import SHOWN, Page
 from treeviz.replay import TRACE_DIR
 from treeviz.runs import BACKEND
 from treeviz.sweep_figure import sweep_figure
@@ -49,66 +49,66 @@ def default_sweep() -> tuple[dict | None, str]:
 
 
 # -- layout --------------------------------------------------------------------------------------------------------
-def entropy_box(ui: SimpleNamespace) -> None:
+def entropy_box(page: Page) -> None:
     """Beside the tree: node sizes from the draft's entropy at each node's parent."""
-    ui.entropy = gr.Checkbox(False, label="size nodes by draft entropy", elem_id="tv-entropy", info=ENTROPY_NOTE)
+    page.entropy = gr.Checkbox(False, label="size nodes by draft entropy", elem_id="tv-entropy", info=ENTROPY_NOTE)
 
 
-def run_histogram(ui: SimpleNamespace) -> None:
+def run_histogram(page: Page) -> None:
     """In the Charts tab: the shown run's acceptance-length histogram."""
-    ui.acceptance = gr.Plot(acceptance_histogram_figure([]), show_label=False, elem_id="tv-acceptance")
+    page.acceptance = gr.Plot(acceptance_histogram_figure([]), show_label=False, elem_id="tv-acceptance")
 
 
-def compare_histogram(ui: SimpleNamespace) -> None:
+def compare_histogram(page: Page) -> None:
     """In the Compare tab: every compared run's acceptance-length histogram, side by side."""
-    ui.compare_histogram = gr.Plot(acceptance_histogram_figure([]), show_label=False, elem_id="tv-compare-histogram")
+    page.compare_histogram = gr.Plot(acceptance_histogram_figure([]), show_label=False, elem_id="tv-compare-histogram")
 
 
-def race_tab(ui: SimpleNamespace) -> None:
+def race_tab(page: Page) -> None:
     with gr.Tab("Race", elem_id="tv-race-tab"):
         methods = [s for s in STRATEGIES if s != "ar"]
         with gr.Row(equal_height=True):
             # a multiselect that takes typed values too: "dynatree@paper" races another preset
-            ui.race_strategies = gr.Dropdown(methods, value=list(teaching_handlers.DEFAULT_RACE), multiselect=True,
-                                             allow_custom_value=True, scale=4, elem_id="tv-race-strategies",
-                                             label="Strategies to race against AR (cpu preset each; type "
+            page.race_strategies = gr.Dropdown(methods, value=list(teaching_handlers.DEFAULT_RACE), multiselect=True,
+                                               allow_custom_value=True, scale=4, elem_id="tv-race-strategies",
+                                               label="Strategies to race against AR (cpu preset each; type "
                                                    "name@preset for another preset)")
-            ui.race_btn = gr.Button("Race", variant="primary", scale=1, elem_id="tv-race-btn")
-        ui.race_status = gr.HTML(status_html(RACE_HINT), elem_id="tv-race-status")
-        ui.race_plot = gr.Plot(empty_figure("no race yet"), show_label=False, elem_id="tv-race")
+            page.race_btn = gr.Button("Race", variant="primary", scale=1, elem_id="tv-race-btn")
+        page.race_status = gr.HTML(status_html(RACE_HINT), elem_id="tv-race-status")
+        page.race_plot = gr.Plot(empty_figure("no race yet"), show_label=False, elem_id="tv-race")
         with gr.Accordion("Race data (what /race returns)", open=False):
-            ui.race_summary = gr.JSON(None, elem_id="tv-race-summary")
+            page.race_summary = gr.JSON(None, elem_id="tv-race-summary")
 
 
-def step_tab(ui: SimpleNamespace) -> None:
+def step_tab(page: Page) -> None:
     with gr.Tab("Step through", elem_id="tv-step-tab"):
         gr.Markdown("The iteration the scrubber selects, step by step: the draft grows the tree, the target "
                     "judges it node by node, the accepted path and the bonus are committed. Press play or drag.")
-        ui.step_plot = gr.Plot(empty_figure("pick a gallery trace or run a prompt"), show_label=False,
-                               elem_id="tv-step")
+        page.step_plot = gr.Plot(empty_figure("pick a gallery trace or run a prompt"), show_label=False,
+                                 elem_id="tv-step")
 
 
-def sweep_tab(ui: SimpleNamespace) -> None:
+def sweep_tab(page: Page) -> None:
     sweep, hint = default_sweep()
     with gr.Tab("Sweep", elem_id="tv-sweep-tab"):
-        ui.sweep_knob = gr.Markdown(knob_text("dynatree"))
+        page.sweep_knob = gr.Markdown(knob_text("dynatree"))
         with gr.Row(equal_height=True):
-            ui.sweep_min = gr.Number(None, precision=0, label="size from (blank: default)", elem_id="tv-sweep-min")
-            ui.sweep_max = gr.Number(None, precision=0, label="size to (blank: default)", elem_id="tv-sweep-max")
-            ui.sweep_points = gr.Slider(2, MAX_POINTS, value=DEFAULT_POINTS, step=1, label="points",
+            page.size_min = gr.Number(None, precision=0, label="size from (blank: default)", elem_id="tv-sweep-min")
+            page.size_max = gr.Number(None, precision=0, label="size to (blank: default)", elem_id="tv-sweep-max")
+            page.points = gr.Slider(2, MAX_POINTS, value=DEFAULT_POINTS, step=1, label="points",
                                         elem_id="tv-sweep-points")
-            ui.sweep_btn = gr.Button("Sweep", variant="primary", elem_id="tv-sweep-btn")
-        ui.sweep_status = gr.HTML(status_html(hint), elem_id="tv-sweep-status")
-        ui.sweep_plot = gr.Plot(sweep_figure(sweep), show_label=False, elem_id="tv-sweep")
+            page.sweep_btn = gr.Button("Sweep", variant="primary", elem_id="tv-sweep-btn")
+        page.sweep_status = gr.HTML(status_html(hint), elem_id="tv-sweep-status")
+        page.sweep_plot = gr.Plot(sweep_figure(sweep), show_label=False, elem_id="tv-sweep")
         with gr.Accordion("Sweep data (what /sweep returns)", open=False):
-            ui.sweep_summary = gr.JSON(sweep, elem_id="tv-sweep-summary")
+            page.sweep_summary = gr.JSON(sweep, elem_id="tv-sweep-summary")
 
 
-def html_download(ui: SimpleNamespace) -> None:
+def html_download(page: Page) -> None:
     """In the Traces tab: the race, the selected iteration step by step and the run's trees as one HTML page."""
     with gr.Row(equal_height=True):
-        ui.html_btn = gr.Button("Download HTML (race + step-through + trees, opens offline)", elem_id="tv-html-btn")
-        ui.html_file = gr.File(label="Teaching page (.html)", interactive=False, elem_id="tv-html-file")
+        page.html_btn = gr.Button("Download HTML (race + step-through + trees, opens offline)", elem_id="tv-html-btn")
+        page.html_file = gr.File(label="Teaching page (.html)", interactive=False, elem_id="tv-html-file")
 
 
 def knob_text(strategy: str) -> str:
@@ -158,13 +158,13 @@ def with_frames(event, plot, elem_id: str) -> Any:
     return event.then(None, [plot], None, js=FRAMES_JS.replace("ELEM", elem_id), api_visibility="private")
 
 
-def follow(ui: SimpleNamespace, event) -> Any:
+def follow(page: Page, event) -> Any:
     """After `event` shows another iteration or a replayed run (no models): the step-through, the histogram, the
     entropy tree. A Run or Compare carries these panels in its own last update (treeviz/handlers.py)."""
-    panels = event.then(iteration_panels, [ui.run_state, ui.scrubber, ui.entropy],
-                        [ui.step_plot, ui.acceptance, ui.tree], show_progress="hidden", queue=False,
+    panels = event.then(iteration_panels, page.inputs(iteration_panels, **SHOWN),
+                        [page.step_plot, page.acceptance, page.tree], show_progress="hidden", queue=False,
                         api_visibility="private")
-    return with_frames(panels, ui.step_plot, "tv-step")
+    return with_frames(panels, page.step_plot, "tv-step")
 
 
 def entropy_switched(run, index: Any, entropy: bool, request: gr.Request) -> go.Figure:
@@ -174,23 +174,20 @@ def entropy_switched(run, index: Any, entropy: bool, request: gr.Request) -> go.
     return shown_tree(run, index, entropy)
 
 
-def wire(ui: SimpleNamespace) -> None:
-    """Race, Sweep (both on the API, with named parameters), the entropy switch and the HTML download. Needs
-    ui.collect (treeviz.ui._wire_runs: the strategy's parameters into ui.params)."""
-    sampling = [ui.temperature, ui.top_p, ui.top_k, ui.seed, ui.verifier]
-    race = ui.race_btn.click(
-        teaching_handlers.race, [ui.prompt, ui.chat, ui.pair, ui.race_strategies, ui.max_new, *sampling],
-        [ui.race_runs, ui.race_plot, ui.race_status, ui.race_summary], api_name="race", concurrency_limit=None,
+def wire(page: Page) -> None:
+    """Race, Sweep (both on the API, their inputs named by the handlers' parameters), the entropy switch and the HTML
+    download."""
+    race = page.race_btn.click(
+        teaching_handlers.race, page.inputs(teaching_handlers.race, strategies="race_strategies"),
+        page.outputs(teaching_handlers.RACE_OUTPUTS, status="race_status"), api_name="race", concurrency_limit=None,
         show_progress="minimal")
-    with_frames(race, ui.race_plot, "tv-race")
-    ui.sweep_btn.click(**ui.collect).then(
-        teaching_handlers.sweep, [ui.prompt, ui.chat, ui.pair, ui.strategy, ui.preset, ui.params, ui.max_new,
-                                  ui.sweep_min, ui.sweep_max, ui.sweep_points, *sampling],
-        [ui.sweep_plot, ui.sweep_status, ui.sweep_summary], api_name="sweep", concurrency_limit=None,
-        show_progress="minimal")
-    ui.entropy.input(entropy_switched, [ui.run_state, ui.scrubber, ui.entropy], ui.tree, show_progress="hidden",
-                     queue=False, api_visibility="private")
-    ui.strategy.change(knob_text, ui.strategy, ui.sweep_knob, show_progress="hidden", queue=False,
-                       api_visibility="private")
-    ui.html_btn.click(download_html, [ui.race_runs, ui.run_state, ui.scrubber], ui.html_file,
-                      api_visibility="private")
+    with_frames(race, page.race_plot, "tv-race")
+    page.sweep_btn.click(**page.collect()).then(
+        teaching_handlers.sweep, page.inputs(teaching_handlers.sweep),
+        page.outputs(teaching_handlers.SWEEP_OUTPUTS, status="sweep_status"), api_name="sweep",
+        concurrency_limit=None, show_progress="minimal")
+    page.entropy.input(entropy_switched, page.inputs(entropy_switched, **SHOWN), page.tree, show_progress="hidden",
+                       queue=False, api_visibility="private")
+    page.strategy.change(knob_text, page.strategy, page.sweep_knob, show_progress="hidden", queue=False,
+                         api_visibility="private")
+    page.html_btn.click(download_html, page.inputs(download_html, **SHOWN), page.html_file, api_visibility="private")

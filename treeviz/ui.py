@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import gradio as gr
 
@@ -29,7 +28,8 @@ from treeviz.pairs import pair_choices
 from treeviz.replay import gallery_label, gallery_traces, replay
 from treeviz.runs import BACKEND
 from treeviz.tree_figure import tree_figure
-from treeviz.views import VIEW_NAMES, render_views, status_html
+from treeviz.page import RUN_RENAMED, SHOWN, Page
+from treeviz.views import RUN_OUTPUTS, VIEW_NAMES, render_views, status_html
 
 log = logging.getLogger("treeviz")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -85,163 +85,159 @@ def model_status_html() -> str:
 
 
 # -- layout: one function per section ---------------------------------------------------------------------------
-def _inputs(ui: SimpleNamespace, initial_pair: str, examples: list[dict]) -> None:
+def _inputs(page: Page, initial_pair: str, examples: list[dict]) -> None:
     traces = gallery_traces()
-    ui.gallery = gr.Dropdown([(gallery_label(p), str(p)) for p in traces], value=str(traces[0]) if traces else None,
-                             label="Gallery: precomputed runs (no models needed)", elem_id="tv-gallery")
-    ui.example = gr.Dropdown([example_label(e) for e in examples], value=None,
-                             label="Example prompts (code, chat, prose)", elem_id="tv-example")
+    page.gallery = gr.Dropdown([(gallery_label(p), str(p)) for p in traces], value=str(traces[0]) if traces else None,
+                               label="Gallery: precomputed runs (no models needed)", elem_id="tv-gallery")
+    page.example = gr.Dropdown([example_label(e) for e in examples], value=None,
+                               label="Example prompts (code, chat, prose)", elem_id="tv-example")
     first = examples[0]["prompt"] if examples else None
-    ui.prompt = gr.Textbox(label="Prompt", lines=4, max_lines=8, elem_id="tv-prompt",
-                           value=first if isinstance(first, str) else "def fibonacci(n):\n")
-    ui.chat = gr.Checkbox(value=False, label="send as a chat message (chat template)")
+    page.prompt = gr.Textbox(label="Prompt", lines=4, max_lines=8, elem_id="tv-prompt",
+                             value=first if isinstance(first, str) else "def fibonacci(n):\n")
+    page.chat = gr.Checkbox(value=False, label="send as a chat message (chat template)")
     with gr.Row():
-        ui.run_btn = gr.Button("Run", variant="primary", elem_id="tv-run")
-        ui.stop_btn = gr.Button("Stop", variant="stop", elem_id="tv-stop")
-        ui.compare_btn = gr.Button("Compare", elem_id="tv-compare")
+        page.run_btn = gr.Button("Run", variant="primary", elem_id="tv-run")
+        page.stop_btn = gr.Button("Stop", variant="stop", elem_id="tv-stop")
+        page.compare_btn = gr.Button("Compare", elem_id="tv-compare")
     pairs = pair_choices()
-    ui.pair = gr.Dropdown(pairs if initial_pair in pairs else [initial_pair] + pairs, value=initial_pair,
-                          label="Model pair (target + draft)", allow_custom_value=True, elem_id="tv-pair",
-                          info="tiny-random plays instantly; hub pairs need network")
-    ui.strategy = gr.Dropdown([(cls.label or s, s) for s, cls in STRATEGIES.items()], value=DEFAULT_STRATEGY,
-                              label="Tree strategy", elem_id="tv-strategy")
-    ui.summary = gr.Markdown(STRATEGIES[DEFAULT_STRATEGY].summary or "")
-    ui.max_new = gr.Slider(1, 512, value=48, step=1, label="max new tokens", elem_id="tv-max-new")
+    page.pair = gr.Dropdown(pairs if initial_pair in pairs else [initial_pair] + pairs, value=initial_pair,
+                            label="Model pair (target + draft)", allow_custom_value=True, elem_id="tv-pair",
+                            info="tiny-random plays instantly; hub pairs need network")
+    page.strategy = gr.Dropdown([(cls.label or s, s) for s, cls in STRATEGIES.items()], value=DEFAULT_STRATEGY,
+                                label="Tree strategy", elem_id="tv-strategy")
+    page.summary = gr.Markdown(STRATEGIES[DEFAULT_STRATEGY].summary or "")
+    page.max_new_tokens = gr.Slider(1, 512, value=48, step=1, label="max new tokens", elem_id="tv-max-new")
 
 
-def _sampling(ui: SimpleNamespace) -> None:
+def _sampling(page: Page) -> None:
     with gr.Accordion("Sampling", open=False):
-        ui.temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
-        ui.top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
-        ui.top_k = gr.Slider(0, 200, value=0, step=1, label="top-k (0 = off)")
-        ui.seed = gr.Number(value=0, precision=0, label="seed")
+        page.temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
+        page.top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
+        page.top_k = gr.Slider(0, 200, value=0, step=1, label="top-k (0 = off)")
+        page.seed = gr.Number(value=0, precision=0, label="seed")
         # every rule, so /run accepts any (the engine refuses a rule that cannot check the strategy's trees, in one
         # plain line); the page narrows the list to the selected strategy's compatible rules when it loads
-        ui.verifier = gr.Dropdown(verifier_options(["auto", *VERIFIERS]), value="auto", label="verification rule",
-                                  elem_id="tv-verifier",
-                                  info="auto: greedy at temperature 0, else token matching / SpecInfer")
+        page.verifier = gr.Dropdown(verifier_options(["auto", *VERIFIERS]), value="auto", label="verification rule",
+                                    elem_id="tv-verifier",
+                                    info="auto: greedy at temperature 0, else token matching / SpecInfer")
 
 
-def _strategy_params(ui: SimpleNamespace) -> None:
+def _strategy_params(page: Page) -> None:
     with gr.Accordion("Strategy parameters", open=True):
-        ui.preset = gr.Dropdown(STRATEGIES[DEFAULT_STRATEGY].preset_names(), value="cpu", label="preset",
-                                info="cpu: tuned for a 2-core CPU; paper: the paper's values; "
+        page.preset = gr.Dropdown(STRATEGIES[DEFAULT_STRATEGY].preset_names(), value="cpu", label="preset",
+                                  info="cpu: tuned for a 2-core CPU; paper: the paper's values; "
                                      "auto: sized every iteration from this machine's measured costs")
-        ui.controls = ParamControls.build(DEFAULT_STRATEGY)
+        page.controls = ParamControls.build(DEFAULT_STRATEGY)
         # the selected strategy's values by name, collected before every run: what /run's `params` receives
-        ui.params = gr.JSON({}, visible=False, elem_id="tv-params")
+        page.params = gr.JSON({}, visible=False, elem_id="tv-params")
 
 
-def _views(ui: SimpleNamespace) -> None:
+def _views(page: Page) -> None:
     with gr.Row(equal_height=True):
-        ui.model_status = gr.HTML(status_html("starting…"), elem_id="tv-model-status")
-        ui.run_status = gr.HTML(status_html("Pick a gallery trace or press Run."), elem_id="tv-run-status")
-    ui.badge = gr.HTML(badge_html(None), elem_id="tv-badge")
-    ui.tree = gr.Plot(tree_figure(None), label="Draft tree", show_label=False, elem_id="tv-tree")
-    ui.scrubber = gr.Slider(0, 1, value=0, step=1, label="iteration (drag to replay the run; no models needed)",
-                            elem_id="tv-scrubber")
-    teaching_ui.entropy_box(ui)
+        page.model_status = gr.HTML(status_html("starting…"), elem_id="tv-model-status")
+        page.run_status = gr.HTML(status_html("Pick a gallery trace or press Run."), elem_id="tv-run-status")
+    page.badge = gr.HTML(badge_html(None), elem_id="tv-badge")
+    page.tree = gr.Plot(tree_figure(None), label="Draft tree", show_label=False, elem_id="tv-tree")
+    page.scrubber = gr.Slider(0, 1, value=0, step=1, label="iteration (drag to replay the run; no models needed)",
+                              elem_id="tv-scrubber")
+    teaching_ui.entropy_box(page)
     with gr.Row(equal_height=False):
         # a click on a tree node writes its id here (static/script.js); typing an id works too
-        ui.node = gr.Number(None, precision=0, minimum=0, label="inspect node (click one in the tree)",
-                            elem_id="tv-node", scale=0, min_width=170)
-        ui.inspector = gr.HTML(inspector_html(None, None, None), elem_id="tv-inspector")
-    ui.inspector_plot = gr.Plot(inspector_figure(None, None), show_label=False, elem_id="tv-inspector-plot")
+        page.node = gr.Number(None, precision=0, minimum=0, label="inspect node (click one in the tree)",
+                              elem_id="tv-node", scale=0, min_width=170)
+        page.inspector = gr.HTML(inspector_html(None, None, None), elem_id="tv-inspector")
+    page.inspector_plot = gr.Plot(inspector_figure(None, None), show_label=False, elem_id="tv-inspector-plot")
     gr.HTML(token_legend_html())
-    ui.text = gr.HTML(tokens_html(None), elem_id="tv-text")
-    ui.metrics = gr.HTML("", elem_id="tv-metrics")
+    page.text = gr.HTML(tokens_html(None), elem_id="tv-text")
+    page.metrics = gr.HTML("", elem_id="tv-metrics")
 
 
-def _tabs(ui: SimpleNamespace) -> None:
+def _tabs(page: Page) -> None:
     with gr.Tabs():
         with gr.Tab("Charts"):
-            ui.stage_mode = gr.Radio(["per iteration", "total"], value="per iteration", label="stage times",
-                                     elem_id="tv-stage-mode")
-            ui.charts = gr.Plot(charts_figure(None), label="Run charts", show_label=False, elem_id="tv-charts")
-            ui.throughput = gr.Plot(throughput_figure(None, None), label="Throughput vs AR", show_label=False,
-                                    elem_id="tv-throughput")
-            teaching_ui.run_histogram(ui)
+            page.stage_mode = gr.Radio(["per iteration", "total"], value="per iteration", label="stage times",
+                                       elem_id="tv-stage-mode")
+            page.charts = gr.Plot(charts_figure(None), label="Run charts", show_label=False, elem_id="tv-charts")
+            page.throughput = gr.Plot(throughput_figure(None, None), label="Throughput vs AR", show_label=False,
+                                      elem_id="tv-throughput")
+            teaching_ui.run_histogram(page)
         with gr.Tab("Calibration"):
-            ui.calibration = gr.Plot(calibration_figure([]), show_label=False, elem_id="tv-calibration")
+            page.calibration = gr.Plot(calibration_figure([]), show_label=False, elem_id="tv-calibration")
         with gr.Tab("Costs"):
-            ui.costs = gr.Plot(cost_figure(None), show_label=False, elem_id="tv-costs")
+            page.costs = gr.Plot(cost_figure(None), show_label=False, elem_id="tv-costs")
         with gr.Tab("Compare"):
             methods = [s for s in STRATEGIES if s != "ar"]
-            ui.compare_methods = gr.CheckboxGroup(
+            page.compare_methods = gr.CheckboxGroup(
                 methods, value=methods[:4], elem_id="tv-compare-methods",
                 label="Strategies to compare with AR (each with its cpu preset; the selected strategy with your "
                       "slider values)")
-            ui.compare_table = gr.Dataframe(label="Same prompt, same session", interactive=False,
-                                            elem_id="tv-compare-table")
-            ui.compare_plot = gr.Plot(label="First tree of each strategy", show_label=False, elem_id="tv-compare-plot")
-            ui.compare_calibration = gr.Plot(calibration_figure([]), show_label=False,
-                                             elem_id="tv-compare-calibration")
-            teaching_ui.compare_histogram(ui)
-        teaching_ui.race_tab(ui)
-        teaching_ui.step_tab(ui)
-        teaching_ui.sweep_tab(ui)
+            page.compare_table = gr.Dataframe(label="Same prompt, same session", interactive=False,
+                                              elem_id="tv-compare-table")
+            page.compare_plot = gr.Plot(label="First tree of each strategy", show_label=False,
+                                        elem_id="tv-compare-plot")
+            page.compare_calibration = gr.Plot(calibration_figure([]), show_label=False,
+                                               elem_id="tv-compare-calibration")
+            teaching_ui.compare_histogram(page)
+        teaching_ui.race_tab(page)
+        teaching_ui.step_tab(page)
+        teaching_ui.sweep_tab(page)
         with gr.Tab("Traces"):
             with gr.Row():
-                ui.download = gr.File(label="Download this run (JSON trace)", interactive=False, elem_id="tv-download")
-                ui.upload = gr.File(label="Replay a trace (.json): no models needed", file_types=[".json"],
-                                    type="filepath", elem_id="tv-upload")
-            teaching_ui.html_download(ui)
+                page.download = gr.File(label="Download this run (JSON trace)", interactive=False,
+                                        elem_id="tv-download")
+                page.upload = gr.File(label="Replay a trace (.json): no models needed", file_types=[".json"],
+                                      type="filepath", elem_id="tv-upload")
+            teaching_ui.html_download(page)
         with gr.Tab("How to read this"):
             gr.Markdown(static_text("how_to_read.md"))
 
 
 # -- wiring ------------------------------------------------------------------------------------------------------------
-def _wire_runs(ui: SimpleNamespace) -> None:
+def _wire_runs(page: Page) -> None:
     """Run (button, Enter, releasing a slider), Compare. Each run trigger first collects the strategy's parameters by
-    name into ui.params (ui.collect), then calls the run handler with them (so /run takes them by name too); the
-    handler's last update carries every view and the teaching panels (the step-through's animation frames are added
-    by the page's script after it)."""
-    settings = [ui.prompt, ui.chat, ui.pair, ui.strategy, ui.preset, ui.max_new, ui.temperature, ui.top_p, ui.top_k,
-                ui.seed, ui.verifier, ui.params]
-    ui.view_outputs = [getattr(ui, name) for name in VIEW_NAMES]
-    ui.run_outputs = [ui.run_state, ui.ar_state, ui.scrubber, ui.run_status, ui.download] + ui.view_outputs
-    panels = [ui.step_plot, ui.acceptance]
-    ui.collect = collect = dict(fn=ui.controls.collect, inputs=[ui.strategy, *ui.controls.components],
-                                outputs=ui.params, queue=False, show_progress="hidden", api_visibility="private")
-    live = ui.controls.components + [ui.max_new, ui.temperature, ui.top_p, ui.top_k]
-    triggers = [(ui.run_btn.click, "run"), (ui.prompt.submit, None)] + [
+    name into page.params (Page.collect), then calls the handler, its inputs named by its own parameters (so /run
+    takes them by name too); the handler's last update carries every view and the teaching panels (the
+    step-through's animation frames are added by the page's script after it)."""
+    live = page.controls.components + [page.max_new_tokens, page.temperature, page.top_p, page.top_k]
+    triggers = [(page.run_btn.click, "run"), (page.prompt.submit, None)] + [
         (c.release if isinstance(c, gr.Slider) else c.input if isinstance(c, gr.Checkbox) else c.submit, None)
         for c in live]  # live tuning: committing a new value re-runs (superseding the older Run, not a race or sweep)
     for trigger, api_name in triggers:
-        run = trigger(**collect).then(
-            handlers.run, settings + [ui.stage_mode], ui.run_outputs + panels, concurrency_limit=None,
-            show_progress="minimal" if api_name else "hidden",
+        run = trigger(**page.collect()).then(
+            handlers.run, page.inputs(handlers.run), page.outputs(handlers.RUN_VIEW_OUTPUTS, **RUN_RENAMED),
+            concurrency_limit=None, show_progress="minimal" if api_name else "hidden",
             **({"api_name": api_name} if api_name else {"api_visibility": "private"}))
-        teaching_ui.with_frames(run, ui.step_plot, "tv-step")
-    compare = ui.compare_btn.click(**collect).then(
-        handlers.compare, settings + [ui.compare_methods, ui.stage_mode],
-        ui.run_outputs + [ui.compare_table, ui.compare_plot, ui.compare_calibration, ui.compare_histogram] + panels,
-        concurrency_limit=None, api_name="compare")
-    teaching_ui.with_frames(compare, ui.step_plot, "tv-step")
+        teaching_ui.with_frames(run, page.step_plot, "tv-step")
+    compare = page.compare_btn.click(**page.collect()).then(
+        handlers.compare, page.inputs(handlers.compare, methods="compare_methods"),
+        page.outputs(handlers.COMPARE_OUTPUTS, **RUN_RENAMED), concurrency_limit=None, api_name="compare")
+    teaching_ui.with_frames(compare, page.step_plot, "tv-step")
 
 
-def _wire_stop(ui: SimpleNamespace) -> None:
+def _wire_stop(page: Page) -> None:
     """Stop raises the flag of everything this browser session runs; each run says it stopped in its own line."""
-    ui.stop_btn.click(handlers.stop, None, ui.run_status, api_name="stop", concurrency_limit=None, queue=False)
+    page.stop_btn.click(handlers.stop, None, page.run_status, api_name="stop", concurrency_limit=None, queue=False)
 
 
-def _wire_views(ui: SimpleNamespace) -> None:
+def _wire_views(page: Page) -> None:
     """Scrubbing, stage mode, the node inspector, trace replays: no models involved."""
 
     def on_stage(run, index, stage_mode):
         return charts_figure(run, selected=int(index) if run is not None and run.iterations else None,
                              stage_mode=stage_mode)
 
-    teaching_ui.follow(ui, ui.scrubber.input(
-        show_iteration, [ui.run_state, ui.ar_state, ui.scrubber, ui.stage_mode, ui.node], ui.view_outputs,
-        show_progress="hidden", api_name="scrub", concurrency_limit=None))
-    ui.stage_mode.change(on_stage, [ui.run_state, ui.scrubber, ui.stage_mode], ui.charts, show_progress="hidden")
-    ui.node.input(inspect, [ui.run_state, ui.scrubber, ui.node], [ui.node, ui.inspector, ui.inspector_plot],
-                  show_progress="hidden", api_name="inspect", concurrency_limit=None)
-    teaching_ui.follow(ui, ui.upload.upload(lambda path, stage_mode: replay(path, stage_mode, "uploaded trace"),
-                                            [ui.upload, ui.stage_mode], ui.run_outputs, api_name="upload"))
-    teaching_ui.follow(ui, ui.gallery.input(on_gallery, [ui.gallery, ui.stage_mode], ui.run_outputs,
-                                            api_name="gallery"))
+    teaching_ui.follow(page, page.scrubber.input(
+        show_iteration, page.inputs(show_iteration, **SHOWN), page.outputs(VIEW_NAMES), show_progress="hidden",
+        api_name="scrub", concurrency_limit=None))
+    page.stage_mode.change(on_stage, [page.run_state, page.scrubber, page.stage_mode], page.charts,
+                           show_progress="hidden")
+    page.node.input(inspect, page.inputs(inspect, **SHOWN), [page.node, page.inspector, page.inspector_plot],
+                    show_progress="hidden", api_name="inspect", concurrency_limit=None)
+    shown_run = page.outputs(RUN_OUTPUTS, **RUN_RENAMED)
+    teaching_ui.follow(page, page.upload.upload(lambda path, stage_mode: replay(path, stage_mode, "uploaded trace"),
+                                                [page.upload, page.stage_mode], shown_run, api_name="upload"))
+    teaching_ui.follow(page, page.gallery.input(on_gallery, [page.gallery, page.stage_mode], shown_run,
+                                                api_name="gallery"))
 
 
 def show_iteration(run, ar, index, stage_mode, node, request: gr.Request = None):
@@ -258,7 +254,7 @@ def on_gallery(path, stage_mode):
     return replay(path, stage_mode, f"gallery trace '{Path(path).stem}'" if path else "gallery")
 
 
-def _wire_controls(ui: SimpleNamespace, examples: list[dict]) -> None:
+def _wire_controls(page: Page, examples: list[dict]) -> None:
     """Controls that change other controls, and the model status line."""
     labels = [example_label(e) for e in examples]
 
@@ -276,15 +272,16 @@ def _wire_controls(ui: SimpleNamespace, examples: list[dict]) -> None:
             BACKEND.pairs.request(str(name))
         return model_status_html()
 
-    groups = list(ui.controls.groups.values())
-    ui.strategy.change(ui.controls.strategy_updates, [ui.strategy, ui.verifier],
-                       [ui.summary, ui.preset, ui.verifier] + groups)
-    ui.demo.load(lambda verifier: ui.controls.strategy_updates(DEFAULT_STRATEGY, verifier)[2], ui.verifier,
-                 ui.verifier, queue=False, api_visibility="private")
-    ui.preset.input(ui.controls.preset_updates, [ui.strategy, ui.preset], ui.controls.components, api_name="on_preset")
-    ui.example.input(on_example, ui.example, [ui.prompt, ui.chat], api_name="on_example")
-    ui.pair.input(on_pair, ui.pair, ui.model_status)
-    gr.Timer(1.0).tick(model_status_html, None, ui.model_status, show_progress="hidden", queue=False,
+    groups = list(page.controls.groups.values())
+    page.strategy.change(page.controls.strategy_updates, [page.strategy, page.verifier],
+                         [page.summary, page.preset, page.verifier] + groups)
+    page.demo.load(lambda verifier: page.controls.strategy_updates(DEFAULT_STRATEGY, verifier)[2], page.verifier,
+                   page.verifier, queue=False, api_visibility="private")
+    page.preset.input(page.controls.preset_updates, [page.strategy, page.preset], page.controls.components,
+                      api_name="on_preset")
+    page.example.input(on_example, page.example, [page.prompt, page.chat], api_name="on_example")
+    page.pair.input(on_pair, page.pair, page.model_status)
+    gr.Timer(1.0).tick(model_status_html, None, page.model_status, show_progress="hidden", queue=False,
                        api_visibility="private")
 
 
@@ -292,29 +289,28 @@ def build_demo(initial_pair: str = "default", load_on_start: bool = True) -> gr.
     examples = load_examples()
     if load_on_start:
         BACKEND.pairs.request(initial_pair)
-    ui = SimpleNamespace()
+    page = Page()
     with gr.Blocks(title="treeviz: speculative decoding draft trees") as demo:
-        ui.demo = demo
-        ui.run_state = gr.State(None)  # RunResult shown now (a partial snapshot while streaming)
-        ui.ar_state = gr.State(None)   # AR RunResult for the same prompt
-        ui.race_runs = gr.State(None)  # the last race's [(label, RunResult)], AR first
+        page.demo = demo
+        page.run_state, page.ar_state, page.race_runs = gr.State(None), gr.State(None), gr.State(None)
         gr.Markdown("## treeviz — watch a draft model's token tree get verified by the target, live")
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=330):
-                _inputs(ui, initial_pair, examples)
-                _sampling(ui)
-                _strategy_params(ui)
+                _inputs(page, initial_pair, examples)
+                _sampling(page)
+                _strategy_params(page)
             with gr.Column(scale=3):
-                _views(ui)
-                _tabs(ui)
-        _wire_runs(ui)
-        teaching_ui.wire(ui)
-        _wire_stop(ui)
-        _wire_views(ui)
-        _wire_controls(ui, examples)
-        demo.load(model_status_html, None, ui.model_status, queue=False, api_visibility="private")
-        if ui.gallery.value:
-            teaching_ui.follow(ui, demo.load(on_gallery, [ui.gallery, ui.stage_mode], ui.run_outputs))
+                _views(page)
+                _tabs(page)
+        _wire_runs(page)
+        teaching_ui.wire(page)
+        _wire_stop(page)
+        _wire_views(page)
+        _wire_controls(page, examples)
+        demo.load(model_status_html, None, page.model_status, queue=False, api_visibility="private")
+        if page.gallery.value:
+            teaching_ui.follow(page, demo.load(on_gallery, [page.gallery, page.stage_mode],
+                                               page.outputs(RUN_OUTPUTS, **RUN_RENAMED)))
     return demo
 
 
