@@ -91,8 +91,8 @@ def paths(tree):
 
 
 def test_trie_merges_shared_prefixes_and_records_support():
-    tree = DraftTree(root_token=9)
-    added = build_lookup_tree(tree, index_of(STREAM), budget=100, max_continuations=4, max_len=3, vocab_size=10)
+    tree, index = DraftTree(root_token=9), index_of(STREAM)
+    added = build_lookup_tree(tree, index, budget=100, max_continuations=4, max_len=3, vocab_size=10)
     assert len(added) == tree.num_drafted == 9  # 4 continuations of 3 tokens, the three starting with 1 merged
     assert paths(tree) == {(1,), (1, 2), (1, 2, 3), (1, 2, 4), (1, 5), (1, 5, 6), (7,), (7, 8), (7, 8, 9)}
     for node in range(len(tree)):  # a trie: siblings never share a token
@@ -108,7 +108,7 @@ def test_trie_merges_shared_prefixes_and_records_support():
         assert [float(dist[tree.tokens[c]]) for c in tree.children[node]] == pytest.approx(
             [tree.q[c] for c in tree.children[node]])
     assert tree.source == ["root"] + ["lookup"] * 9
-    assert tree.extra["lookup_match"] == 1
+    assert index.last_match == 1  # the match behind the answer (the strategy records it in tree.extra)
 
 
 def test_lone_chain_is_a_point_mass():
@@ -511,3 +511,21 @@ def test_gate_leaves_out_lookup_rows_that_cost_more_than_they_return():
     strategy.costs = PairCosts(ModelCosts("t", {"plain": {r: 0.1 * r for r in LADDER}}), None)
     strategy.config["lookup_gate"] = False
     assert strategy.room(tree, budget=24, match=2) == 23  # the gate off: lookup fills what the budget leaves
+
+
+def test_grafting_wraps_the_model_strategy_only_when_switched_on():
+    """Lookup grafting is a wrapper around the model strategy, not a base class: with the switch off the strategy is
+    the model's own class and never asks for the context; with it on, the wrapper owns the index and the gate and
+    everything else (its size knob, its feedback, its parameters) is the model strategy's."""
+    from engine.strategies.base import BudgetedStrategy
+    from engine.strategies.graft import LookupGrafted
+    for name in ("dynatree", "dyspec", "ddtree"):
+        plain = make_strategy(name)
+        assert isinstance(plain, BudgetedStrategy) and not isinstance(plain, LookupGrafted)
+        assert not plain.uses_context and not hasattr(plain, "gate")
+        wrapped = make_strategy(name, "auto", lookup=True)
+        assert isinstance(wrapped, LookupGrafted) and type(wrapped.model) is type(plain)
+        assert wrapped.uses_context and "topk" in wrapped.child_modes_used and wrapped.name == name
+        wrapped.resize(wrapped.size() - 1)  # the size knob is the model's: the wrapper reads the same config
+        assert wrapped.model.config[wrapped.auto_param] == wrapped.size()
+    assert not isinstance(make_strategy("lookup"), LookupGrafted)  # the lookup strategy has no model to graft onto

@@ -132,7 +132,6 @@ def build_lookup_tree(tree: DraftTree, index: LookupIndex, budget: int, max_cont
         raise ValueError("the lookup index must end with the tree's root (the last committed token)")
     tail = [tree.tokens[v] for v in tree.path_to(under)[1:]]
     kept = _plan(tree, under, index.continuations(max_continuations, max_len, tail), budget)
-    tree.extra["lookup_match"] = index.last_match
     # support[path]: weight of the kept continuations through `path`; onward[path]: of those that go on past it
     support: dict[tuple[int, ...], float] = {}
     onward: dict[tuple[int, ...], float] = {}

@@ -12,6 +12,7 @@ from engine.strategies.dynatree import DynaTree
 from engine.strategies.dyspec import DySpec
 from engine.strategies.eagle2 import Eagle2
 from engine.strategies.fixed import FixedTree
+from engine.strategies.graft import LookupGrafted, grafted
 from engine.strategies.linear import Linear
 from engine.strategies.lookup import Lookup
 from engine.strategies.salf import SALF
@@ -22,10 +23,12 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-def make_strategy(name: str, preset: str = "cpu", **params) -> Strategy:
+def make_strategy(name: str, preset: str = "cpu", **params) -> Strategy | LookupGrafted:
+    """The strategy `name` under `preset` with `params` overriding it; with its `lookup` switch on, wrapped in
+    LookupGrafted (engine/strategies/graft.py)."""
     if name not in STRATEGIES:
         raise StrategyError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
-    return STRATEGIES[name](preset, **params)
+    return grafted(STRATEGIES[name](preset, **params))
 
 
 __all__ = ["STRATEGIES", "Param", "Strategy", "StrategyError", "make_strategy"]

@@ -192,3 +192,16 @@ class Strategy:
             return [([], []) for _ in range(len(dists))]
         probs, tokens = torch.topk(dists, min(k, dists.shape[-1]), dim=-1)
         return list(zip(probs.tolist(), tokens.tolist()))
+
+
+class BudgetedStrategy(Strategy):
+    """A strategy whose tree fits any node budget it is given (`build_within`); `build` gives it its own `budget`.
+    Lookup grafting (engine/strategies/graft.py) wraps such a strategy and gives it less."""
+
+    def build(self, drafter: Drafter, tree: DraftTree) -> None:
+        self.build_within(drafter, tree, self.config["budget"])
+
+    def build_within(self, drafter: Drafter, tree: DraftTree, budget: int) -> None:
+        """The strategy's own tree, at most `budget` drafted nodes."""
+        raise NotImplementedError
+

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from engine.strategies.base import Param, Strategy
-from engine.strategies.graft import GRAFT_PARAMS, LookupGraft
+from engine.strategies.base import BudgetedStrategy, Param
+from engine.strategies.graft import GRAFT_PARAMS
 from engine.strategies.sizing import SizeCost, accepted_within, first_nodes
 
 
@@ -42,7 +42,7 @@ def best_first_prefixes(probs: list[list[float]], budget: int) -> list[tuple[int
     return out
 
 
-class DDTree(LookupGraft, Strategy):
+class DDTree(BudgetedStrategy):
     name = "ddtree"
     label = "DDTree (best-first prefixes)"
     summary = "The B most probable prefixes of the draft's per-position distributions along its top-1 chain."
@@ -67,7 +67,7 @@ class DDTree(LookupGraft, Strategy):
         rows = [sample.first_rows] + [1] * (forwards - 1)
         return SizeCost(len(kept), accepted_within(sample, kept), rows, len(kept) + 1)
 
-    def build_model(self, drafter, tree, budget: int) -> None:
+    def build_within(self, drafter, tree, budget: int) -> None:
         block = self.config["block"]
         chain, dists, probs, tokens = [0], [], [], []
         for i in range(block):

@@ -22,11 +22,11 @@ parents are served first so the budget goes where the draft is confident.
 """
 from collections import deque
 
-from engine.strategies.base import Param, Strategy, StrategyError
-from engine.strategies.graft import GRAFT_PARAMS, LookupGraft
+from engine.strategies.base import BudgetedStrategy, Param, StrategyError
+from engine.strategies.graft import GRAFT_PARAMS
 
 
-class DynaTree(LookupGraft, Strategy):
+class DynaTree(BudgetedStrategy):
     name = "dynatree"
     label = "DynaTree"
     summary = "Breadth from draft confidence, depth from path probability, pruning under a budget, history feedback."
@@ -100,7 +100,7 @@ class DynaTree(LookupGraft, Strategy):
             return c["b_max"]
         return c["b_mid"]
 
-    def build_model(self, drafter, tree, budget: int) -> None:
+    def build_within(self, drafter, tree, budget: int) -> None:
         c = self.config
         tau = c["tau"] if c["pruning"] else 0.0
         frontier = [0]

@@ -22,8 +22,8 @@ from bisect import bisect_right
 
 import torch
 
-from engine.strategies.base import Param, Strategy, StrategyError
-from engine.strategies.graft import GRAFT_PARAMS, LookupGraft
+from engine.strategies.base import BudgetedStrategy, Param, StrategyError
+from engine.strategies.graft import GRAFT_PARAMS
 
 
 def dfs_order(tree) -> list[int]:
@@ -36,7 +36,7 @@ def dfs_order(tree) -> list[int]:
     return order
 
 
-class DySpec(LookupGraft, Strategy):
+class DySpec(BudgetedStrategy):
     name = "dyspec"
     label = "DySpec (greedy heap)"
     summary = "Greedy best-first expansion of slots valued P(reached) x draft probability, under a node budget."
@@ -63,7 +63,7 @@ class DySpec(LookupGraft, Strategy):
             raise StrategyError(f"threshold = {c['threshold']}: no slot value exceeds 1, the tree would be empty; "
                                 "use a threshold below 1")
 
-    def build_model(self, drafter, tree, budget: int) -> None:
+    def build_within(self, drafter, tree, budget: int) -> None:
         c = self.config
         build = self._threshold if c["threshold_variant"] else self._greedy
         values = build(drafter, tree, budget)

@@ -1,7 +1,8 @@
 """Lookup grafting: context-lookup branches (engine/core/lookup.py) merged into a draft model's tree.
 
-A strategy takes the switch by listing `LookupGraft` first among its bases, adding GRAFT_PARAMS to its params and
-naming its own tree builder `build_model(drafter, tree, budget)` (DynaTree, DySpec, DDTree). With `lookup` on:
+A strategy offers the switch by being a `BudgetedStrategy` (its tree builder `build_within(drafter, tree, budget)`
+takes any budget) and adding GRAFT_PARAMS to its params (DynaTree, DySpec, DDTree). With `lookup` on, `make_strategy`
+wraps it in `LookupGrafted`, which owns the lookup index and the gate and hands everything else to the strategy:
 
 - Budget: the tree budget covers both. The model builds under `budget - reserve`, reserve = min(lookup_budget,
   budget // 2) (the model keeps at least half, also when the `auto` preset shrinks the budget); the lookup then fills
@@ -30,7 +31,7 @@ from typing import Any
 
 from engine.core.lookup import LookupIndex, build_lookup_tree, follow
 from engine.core.tree import DraftTree
-from engine.strategies.base import Param
+from engine.strategies.base import BudgetedStrategy, Param
 
 MAX_MATCH = 6    # longest context suffix looked up
 MAX_LEN = 8      # tokens taken after each match
@@ -129,23 +130,23 @@ def _mean(old: float | None, new: float) -> float:
     return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
-class LookupGraft:
-    """Mixin for a model strategy (before `Strategy` in the bases); the strategy implements `build_model`."""
-    config: dict[str, Any]
-    child_mode: str
+class LookupGrafted:
+    """A model strategy with lookup branches grafted into its trees. The wrapper owns what grafting adds (the index,
+    the gate, `build`, `see_context`, `observe`, the child modes); every other attribute is the model strategy's."""
 
-    def __init__(self, preset: str = "cpu", **overrides: Any):
-        super().__init__(preset, **overrides)
-        self.uses_context = bool(self.config["lookup"])  # the decoder calls see_context only then
-        if self.uses_context:
-            self.child_modes_used = tuple(dict.fromkeys((*self.child_modes_used, "topk")))
-        self.index = LookupIndex(self.config["lookup_min_match"], MAX_MATCH)
+    uses_context = True  # the decoder calls see_context before every build
+
+    def __init__(self, model: BudgetedStrategy):
+        self.model = model
+        self.child_modes_used = tuple(dict.fromkeys((*model.child_modes_used, "topk")))
+        self.index = LookupIndex(model.config["lookup_min_match"], MAX_MATCH)
         self.gate = LookupGate()
         self.vocab_size, self.device, self.costs, self.alone = None, None, None, False
 
-    def build_model(self, drafter, tree: DraftTree, budget: int) -> None:
-        """The strategy's own tree, at most `budget` drafted nodes."""
-        raise NotImplementedError
+    def __getattr__(self, name: str) -> Any:  # only for what the wrapper does not have itself
+        if name == "model":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.model, name)
 
     def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
         """Extend the index with the tokens committed since the last call (rebuilt when the context changed: a new
@@ -161,19 +162,16 @@ class LookupGraft:
         self.costs = costs if costs is not None else self.costs
 
     def build(self, drafter, tree: DraftTree) -> None:
-        """The model's tree under the budget less the lookup reservation, then the lookup branches (switch on); or,
-        where the gate says so, the lookup's tree alone under the whole budget. tree.extra records "lookup_only" and
+        """The model's tree under the budget less the lookup reservation, then the lookup branches; or, where the gate
+        says so, the lookup's tree alone under the whole budget. tree.extra records "lookup_only" and
         "lookup_s", the seconds the lookup's own work took (index queries and grafting; no model forward)."""
         self.alone, budget = False, self.config["budget"]
-        if not self.config["lookup"]:
-            self.build_model(drafter, tree, budget)
-            return
         start = time.perf_counter()
         best, match, alone_s = self.probe(len(tree), budget)
         self.alone = bool(self.config["lookup_gate"]) and self.gate.lookup_only(match, alone_s)
         lookup_s = time.perf_counter() - start
         if not self.alone:
-            self.build_model(drafter, tree, budget - min(self.config["lookup_budget"], budget // 2))
+            self.model.build_within(drafter, tree, budget - min(self.config["lookup_budget"], budget // 2))
         start = time.perf_counter()
         self.graft(tree, self.room(tree, budget, match))
         tree.extra["lookup_s"] = lookup_s + time.perf_counter() - start
@@ -210,23 +208,23 @@ class LookupGraft:
         """The model strategy's feedback (DynaTree's history), except after a lookup-only iteration: the model
         drafted nothing then."""
         if not self.alone:
-            super().observe(accepted, drafted)
+            self.model.observe(accepted, drafted)
 
     def graft(self, tree: DraftTree, room: int) -> list[int]:
         """Merge lookup branches into `tree` within `room` new nodes: under the root, then below the model's most
-        probable leaf. Returns the new node ids; tree.extra["lookup_match"] holds the root's match length."""
+        probable leaf. Returns the new node ids; tree.extra records the match lengths at the root ("lookup_match")
+        and at the leaf ("lookup_match_leaf")."""
         if not self.index.tokens:  # never saw the context (a build outside the decoder)
             return []
         conts = self.config["lookup_continuations"]
         leaf = best_leaf(tree)
         added = build_lookup_tree(tree, self.index, room, conts, MAX_LEN, vocab_size=self.vocab_size,
                                   device=self.device)
-        match = tree.extra["lookup_match"]
+        tree.extra["lookup_match"] = self.index.last_match
         if leaf is not None and room > len(added):
             added += build_lookup_tree(tree, self.index, room - len(added), conts, MAX_LEN, under=leaf,
                                        vocab_size=self.vocab_size, device=self.device)
-            tree.extra["lookup_match_leaf"] = tree.extra["lookup_match"]
-        tree.extra["lookup_match"] = match
+            tree.extra["lookup_match_leaf"] = self.index.last_match
         return added
 
 
@@ -234,3 +232,11 @@ def best_leaf(tree: DraftTree) -> int | None:
     """The model's most probable leaf (highest path probability; the earliest on ties), or None for a bare root."""
     leaves = [v for v in range(1, len(tree)) if not tree.children[v]]
     return max(leaves, key=lambda v: (tree.path_q[v], -v), default=None)
+
+
+def grafted(strategy):
+    """`strategy` wrapped in LookupGrafted when it offers the switch and has it on; else `strategy` itself."""
+    if isinstance(strategy, BudgetedStrategy) and strategy.config.get("lookup"):
+        return LookupGrafted(strategy)
+    return strategy
+

@@ -54,4 +54,5 @@ class Lookup(Strategy):
         start = time.perf_counter()
         build_lookup_tree(tree, self.index, c["budget"], c["max_continuations"], c["max_len"],
                           vocab_size=self.vocab_size, device=self.device)
+        tree.extra["lookup_match"] = self.index.last_match
         tree.extra["lookup_s"] = time.perf_counter() - start  # the lookup's own work: the whole draft
