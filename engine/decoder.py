@@ -12,7 +12,7 @@ both caches keep the accepted rows by copying them into place (no re-forward).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -252,7 +252,7 @@ class Decoder:
         return RunResult(
             prompt=prompt_text(prompt), prompt_ids=state.prompt_ids, output_ids=generated,
             output_text=pair.tokenizer.decode(generated, skip_special_tokens=False),
-            strategy=strategy.name, params=dict(strategy.config),
+            strategy=strategy.name, params=asdict(strategy.settings),
             config={"target": pair.target_name, "draft": pair.draft_name if strategy.uses_draft else None,
                     "steps": self.steps_label(),
                     "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),

@@ -29,7 +29,7 @@ from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.core.sampling import Sampling
 from engine.measure.metrics import calibration, run_metrics
 from engine.models import PAIRS, load_pair
-from engine.verify import make_verifier, theory
+from engine.verify import theory
 
 
 # -- running configurations ---------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from engine.strategies import make_strategy
 
 def configs(rule: str) -> list[tuple]:
     best = tuple(neural.shipped(rule).meta.get("offline_train", {}).get("best_fixed", neural.BASELINE))
-    cpu, paper = (make_strategy("delayed", preset).config for preset in ("cpu", "paper"))
-    shape = lambda c: {"k": c["k"], "l1": c["l1"], "l2": c["l2"]}  # noqa: E731
+    cpu, paper = (make_strategy("delayed", preset).settings for preset in ("cpu", "paper"))
+    shape = lambda c: {"k": c.k, "l1": c.l1, "l2": c.l2}  # noqa: E731
     return [("delayed neural", "delayed", {"neural_selector": True}, rule),
             (f"delayed best fixed {best}", "delayed", dict(zip(("k", "l1", "l2"), best)), rule),
             (f"delayed cpu {tuple(shape(cpu).values())}", "delayed", shape(cpu), rule),

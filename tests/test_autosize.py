@@ -92,7 +92,7 @@ def brute_force(name, params, largest, table) -> dict[int, tuple[int, float]]:
 def test_auto_picks_the_brute_force_best_size(name, params, largest, table_name):
     table = costs(*TABLES[table_name])
     strategy = make_strategy(name, **params, **{make_strategy(name).auto_param: largest})
-    tree, rows, accepted = run(name, strategy.config)
+    tree, rows, accepted = run(name, strategy.current_params())
     sample = Sample(tree.parents, tree.depths, accepted, rows[0], rows, 0.0, tree.path_q)
     sizer = AutoSizer(strategy, table)
     value = sizer.choose(sample)
@@ -106,11 +106,11 @@ def test_auto_picks_the_brute_force_best_size(name, params, largest, table_name)
 
 def test_eagle2_pays_depth_plus_one_forwards_at_every_size():
     strategy = make_strategy("eagle2", k=3, depth=3, n=24)
-    tree, rows, accepted = run("eagle2", strategy.config)
+    tree, rows, accepted = run("eagle2", strategy.current_params())
     sample = Sample(tree.parents, tree.depths, accepted, rows[0], rows, 0.0, tree.path_q)
     assert {len(strategy.cost_at(sample, m).draft_rows) for m in range(1, 25)} == {4}
     ddtree = make_strategy("ddtree", block=5, budget=24)
-    tree, rows, accepted = run("ddtree", ddtree.config)
+    tree, rows, accepted = run("ddtree", ddtree.current_params())
     sample = Sample(tree.parents, tree.depths, accepted, rows[0], rows, 0.0, tree.path_q)
     assert ddtree.cost_at(sample, 1).draft_rows == [1, 1]  # q_1, and the forward that shows no depth-2 prefix wins
     assert all(r == 1 for m in range(1, 25) for r in ddtree.cost_at(sample, m).draft_rows)  # the top-1 chain
@@ -122,7 +122,7 @@ def test_sizer_sets_only_sizes_the_strategy_accepts():
     with pytest.raises(StrategyError):
         salf.resize(4)
     assert salf.size() == 16  # a refused size leaves the config as it was
-    tree, rows, accepted = run("salf", salf.config)
+    tree, rows, accepted = run("salf", salf.current_params())
     sample = Sample(tree.parents, tree.depths, accepted, rows[0], rows, 0.0, tree.path_q)
     sizer = AutoSizer(salf, costs(lambda r: 1.0 if r <= 2 else 50.0))  # only tiny trees pay: best would be < B
     assert sizer.choose(sample) >= 8 and min(sizer.predicted_rates()) == 8

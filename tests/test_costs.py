@@ -173,7 +173,7 @@ def test_auto_stops_where_verification_gets_expensive(monkeypatch):
     # drafted tokens (+ the root)
     strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05 if r <= 4 else 0.5), monkeypatch=monkeypatch)
     last = result.iterations[-1].cost.auto
-    assert last["best_size"] == 3 and strategy.config["k"] == 4  # 25 % headroom above the best
+    assert last["best_size"] == 3 and strategy.settings.k == 4  # 25 % headroom above the best
     assert result.iterations[-1].params["k"] == 4
 
 
@@ -182,7 +182,7 @@ def test_auto_preset_exists_for_every_strategy():
         strategy = make_strategy(name, "auto")
         assert strategy.auto == (cls.auto_param is not None)
         if cls.auto_param is not None:
-            assert cls.auto_param in strategy.config
+            assert cls.auto_param in strategy.current_params()
     # without a cost table the auto preset runs its starting values unchanged
     pair = tiny_random_pair("related", seed=0)
     result = Decoder(pair, make_strategy("dynatree", "auto")).generate("abc", max_new_tokens=10, stop_on_eos=False)

@@ -364,7 +364,7 @@ def test_grafted_strategy_decodes_exactly_like_ar_within_the_budget(name):
     assert not make_strategy(name).uses_context  # off by default
     result = Decoder(pair, strategy).generate(PROMPT, max_new_tokens=40, stop_on_eos=False)
     assert result.output_ids == reference.output_ids
-    budget = strategy.config["budget"]
+    budget = strategy.settings.budget
     model_budget = budget - min(4, budget // 2)  # the lookup reservation comes out of the budget
     for it in result.iterations:
         assert it.drafted <= budget
@@ -509,7 +509,7 @@ def test_gate_leaves_out_lookup_rows_that_cost_more_than_they_return():
     strategy.costs = PairCosts(ModelCosts("t", {"plain": {r: 1.0 for r in LADDER}}), None)  # rows are free
     assert strategy.room(tree, budget=24, match=2) == 23
     strategy.costs = PairCosts(ModelCosts("t", {"plain": {r: 0.1 * r for r in LADDER}}), None)
-    strategy.config["lookup_gate"] = False
+    strategy.settings.lookup_gate = False
     assert strategy.room(tree, budget=24, match=2) == 23  # the gate off: lookup fills what the budget leaves
 
 
@@ -527,5 +527,5 @@ def test_grafting_wraps_the_model_strategy_only_when_switched_on():
         assert isinstance(wrapped, LookupGrafted) and type(wrapped.model) is type(plain)
         assert wrapped.uses_context and "topk" in wrapped.child_modes_used and wrapped.name == name
         wrapped.resize(wrapped.size() - 1)  # the size knob is the model's: the wrapper reads the same config
-        assert wrapped.model.config[wrapped.auto_param] == wrapped.size()
+        assert getattr(wrapped.model.settings, wrapped.auto_param) == wrapped.size()
     assert not isinstance(make_strategy("lookup"), LookupGrafted)  # the lookup strategy has no model to graft onto

@@ -104,7 +104,7 @@ def checked(strategy, pair, stats):
     def wrapped(drafter, tree):
         build(drafter, tree)
         check_tree(tree)
-        budget, depth = limits(strategy.name, strategy.config)
+        budget, depth = limits(strategy.name, strategy.current_params())
         assert tree.num_drafted <= budget and tree.max_depth <= depth
         assert set(drafter.rows) <= set(range(len(tree)))
         for node in drafter.rows:  # an expanded node's ancestors were expanded too
@@ -118,7 +118,7 @@ def checked(strategy, pair, stats):
                     logits = pair.draft(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
                 dist = torch.softmax(logits.float(), -1)
                 if tree.child_mode[node] == "iid":  # delayed: drawn at the draft temperature
-                    dist = torch.softmax(dist.log() / strategy.config["temperature"], -1)
+                    dist = torch.softmax(dist.log() / strategy.settings.temperature, -1)
                 torch.testing.assert_close(tree.child_dist[node], dist, atol=2e-5, rtol=1e-4)
         stats["trees"] += 1
         stats["forwards"] += drafter.forwards
@@ -476,8 +476,8 @@ def test_registered_with_both_presets():
         for preset in ("cpu", "paper"):
             make_strategy(name, preset)
     assert STRATEGIES["delayed"].child_mode == "iid"
-    assert make_strategy("salf", "paper").config == {"n": 60, "b": 10, "th": 0.6, "max_depth": 64}
-    assert make_strategy("eagle2", "paper").config == {"n": 60, "k": 10, "depth": 7}
+    assert make_strategy("salf", "paper").current_params() == {"n": 60, "b": 10, "th": 0.6, "max_depth": 64}
+    assert make_strategy("eagle2", "paper").current_params() == {"n": 60, "k": 10, "depth": 7}
 
 
 def dynatree_run(strategy, accepted_share: float, iterations: int) -> list[int]:

@@ -6,7 +6,6 @@ import concurrent.futures
 import pickle
 
 import gradio as gr
-import plotly.graph_objects as go
 import pytest
 
 gradio_client = pytest.importorskip("gradio_client")

@@ -1,14 +1,15 @@
 """The one interface every tree strategy implements.
 
 A strategy grows a `DraftTree` for one iteration by asking the `Drafter` to expand batches of nodes (one draft
-forward per batch). It declares its parameters (so the CLI and the app build their controls from them), a "cpu"
+forward per batch). It declares its parameters (so the CLI and the app build their controls from them; they also
+make its typed settings, `Settings`, one dataclass field per Param, which `__init__` fills in), a "cpu"
 preset tuned on a 2-core CPU, a "paper" preset with the source paper's values, an "auto" preset whose size knob
 (`auto_param`) the decoder retunes every iteration from the measured cost table, and how it draws children
 (which decides the verification rules that can check its trees losslessly when sampling).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -57,11 +58,18 @@ class Param:
         return value
 
 
+def settings_class(name: str, params: tuple[Param, ...]) -> type:
+    """A dataclass with one typed field per Param (its kind, its default): a strategy's settings, filled in from a
+    preset and the caller's values (the CLI's, the app's) by `Strategy.__init__`."""
+    return make_dataclass(f"{name}Settings", [(p.name, p.kind, field(default=p.default)) for p in params])
+
+
 class Strategy:
     name: ClassVar[str]
     label: ClassVar[str]
     summary: ClassVar[str]
     params: ClassVar[tuple[Param, ...]] = ()
+    Settings: ClassVar[type]  # made from `params` when the class is defined: `self.settings` is one of these
     presets: ClassVar[dict[str, dict[str, Any]]] = {}  # "cpu" (default values), "paper", "auto"
     # The size knob the "auto" preset tunes per iteration from measured costs (engine/measure/autosize.py); None: the
     # strategy has no single size knob and "auto" runs its starting values unchanged.
@@ -74,10 +82,14 @@ class Strategy:
     # modes (e.g. a greedy trunk under i.i.d. branches) says otherwise.
     child_modes_used: tuple[str, ...]
     # Everything the decoder and the verification rules read is declared here (an instance may override it from
-    # its config): whether it wants the target's hidden states at the root (the neural selector), and whether its
+    # its settings): whether it wants the target's hidden states at the root (the neural selector), and whether its
     # trees are always one path (so the chain rules, Naive and Block, can check them).
     wants_features: bool = False
     chain: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        cls.Settings = settings_class(cls.__name__, cls.params)
 
     def __init__(self, preset: str = "cpu", **overrides: Any):
         known = {p.name: p for p in self.params}
@@ -90,7 +102,7 @@ class Strategy:
             if key not in known:
                 raise StrategyError(f"{self.name} has no parameter {key!r}; it takes {sorted(known)}")
             values[key] = value
-        self.config = {key: known[key].coerce(value) for key, value in values.items()}
+        self.settings = self.Settings(**{key: known[key].coerce(value) for key, value in values.items()})
         self.child_modes_used = (self.child_mode,)
         self.check()
         self.reset()
@@ -115,27 +127,27 @@ class Strategy:
 
     def current_params(self) -> dict[str, Any]:
         """Parameters in force for the next iteration (they may change under history adaptation)."""
-        return dict(self.config)
+        return asdict(self.settings)
 
     def build(self, drafter: Drafter, tree: DraftTree) -> None:
         raise NotImplementedError
 
     def size(self) -> int | None:
         """The value of the size knob (`auto_param`) in force, or None for a strategy without one."""
-        return None if self.auto_param is None else self.config[self.auto_param]
+        return None if self.auto_param is None else getattr(self.settings, self.auto_param)
 
     def resize(self, value: int) -> None:
         """Set the size knob (the `auto` sizer's only way in): coerced and validated like a user's value, so a size
-        the strategy would refuse at construction raises StrategyError here too and leaves the config unchanged."""
+        the strategy would refuse at construction raises StrategyError here too and leaves the settings unchanged."""
         if self.auto_param is None:
             raise StrategyError(f"{self.name} has no size knob")
         param = next(p for p in self.params if p.name == self.auto_param)
-        before = self.config[self.auto_param]
-        self.config[self.auto_param] = param.coerce(value)
+        before = getattr(self.settings, self.auto_param)
+        setattr(self.settings, self.auto_param, param.coerce(value))
         try:
             self.check()
         except StrategyError:
-            self.config[self.auto_param] = before
+            setattr(self.settings, self.auto_param, before)
             raise
 
     def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
@@ -199,7 +211,7 @@ class BudgetedStrategy(Strategy):
     Lookup grafting (engine/strategies/graft.py) wraps such a strategy and gives it less."""
 
     def build(self, drafter: Drafter, tree: DraftTree) -> None:
-        self.build_within(drafter, tree, self.config["budget"])
+        self.build_within(drafter, tree, self.settings.budget)
 
     def build_within(self, drafter: Drafter, tree: DraftTree, budget: int) -> None:
         """The strategy's own tree, at most `budget` drafted nodes."""

@@ -63,12 +63,12 @@ class DDTree(BudgetedStrategy):
         nothing deeper wins (build's early stop), at most L."""
         kept = first_nodes(sample, size)
         deepest = max((sample.depths[v] for v in kept), default=0)
-        forwards = max(min(self.config["block"], deepest + 1, len(sample.draft_rows)), 1)
+        forwards = max(min(self.settings.block, deepest + 1, len(sample.draft_rows)), 1)
         rows = [sample.first_rows] + [1] * (forwards - 1)
         return SizeCost(len(kept), accepted_within(sample, kept), rows, len(kept) + 1)
 
     def build_within(self, drafter, tree, budget: int) -> None:
-        block = self.config["block"]
+        block = self.settings.block
         chain, dists, probs, tokens = [0], [], [], []
         for i in range(block):
             dist = drafter.expand([chain[-1]])[0]

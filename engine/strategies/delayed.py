@@ -18,6 +18,8 @@ With `neural_selector` (the paper's §6) the shape is chosen per iteration, righ
 assets/selector/); K, L1, L2 are then ignored. The choice and its predicted tokens/s go to the iteration's
 `extra["selector"]`, the shape also to its params. Losslessness never depends on it: every choice is a delayed tree.
 """
+from dataclasses import asdict
+
 import torch
 
 from engine.strategies import selector as neural
@@ -52,15 +54,15 @@ class Delayed(Strategy):
     }
 
     def check(self) -> None:
-        c = self.config
-        self.wants_features = c["neural_selector"]  # the decoder then exposes hidden states (engine/strategies/selector.py)
-        if c["neural_selector"] and c["without_replacement"]:
+        c = self.settings
+        self.wants_features = c.neural_selector  # the decoder then exposes hidden states (engine/strategies/selector.py)
+        if c.neural_selector and c.without_replacement:
             raise StrategyError("the neural selector was trained on i.i.d. branches: turn off without_replacement")
-        if c["l1"] + c["l2"] == 0 and not c["neural_selector"]:
+        if c.l1 + c.l2 == 0 and not c.neural_selector:
             raise StrategyError("L1 + L2 must be at least 1: a (K, 0, 0) tree drafts nothing (use the 'ar' strategy)")
-        self.child_mode = "without_replacement" if c["without_replacement"] else "iid"
-        self.chain = c["k"] == 1 and not c["neural_selector"]  # one path: chain rules (Naive, Block) can check it
-        greedy_trunk = c["greedy_trunk"] and (c["l1"] > 0 or c["neural_selector"])
+        self.child_mode = "without_replacement" if c.without_replacement else "iid"
+        self.chain = c.k == 1 and not c.neural_selector  # one path: chain rules (Naive, Block) can check it
+        greedy_trunk = c.greedy_trunk and (c.l1 > 0 or c.neural_selector)
         self.child_modes_used = ("topk", self.child_mode) if greedy_trunk else (self.child_mode,)
 
     def reset(self) -> None:
@@ -68,7 +70,7 @@ class Delayed(Strategy):
         self.chosen: dict | None = None  # the selector's latest choice
 
     def current_params(self) -> dict:
-        params = dict(self.config)
+        params = asdict(self.settings)
         if self.chosen is not None:
             params.update(k=self.chosen["k"], l1=self.chosen["l1"], l2=self.chosen["l2"])
         return params
@@ -87,15 +89,15 @@ class Delayed(Strategy):
     def _draw(self, drafter, dist: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
         """The distribution actually drawn from, and `count` tokens from it: i.i.d., or without replacement (in draw
         order, fewer if q has fewer tokens with nonzero mass)."""
-        t = self.config["temperature"]
+        t = self.settings.temperature
         if t != 1.0:
             dist = torch.softmax(dist.log() / t, dim=-1)  # in log space: q^(1/T) underflows for small T
         generator = drafter.generator
         if generator is None:
             if self.generator is None or self.generator.device != dist.device:
-                self.generator = torch.Generator(device=dist.device).manual_seed(self.config["seed"])
+                self.generator = torch.Generator(device=dist.device).manual_seed(self.settings.seed)
             generator = self.generator
-        replacement = not self.config["without_replacement"]
+        replacement = not self.settings.without_replacement
         if not replacement:
             count = min(count, int((dist > 0).sum()))
         return dist, self.sample(dist, count, replacement, generator)
@@ -107,10 +109,10 @@ class Delayed(Strategy):
         return torch.multinomial(dist, count, replacement=replacement, generator=generator).tolist()
 
     def build(self, drafter, tree) -> None:
-        c = self.config
-        k, l1, l2 = c["k"], c["l1"], c["l2"]
+        c = self.settings
+        k, l1, l2 = c.k, c.l1, c.l2
         root = {}  # with the selector: the root's q, already drawn by the root forward its features come from
-        if c["neural_selector"]:
+        if c.neural_selector:
             root[0] = drafter.expand([0])[0]
             k, l1, l2 = self.choose(drafter, root[0])
             tree.extra["selector"] = dict(self.chosen)
@@ -125,7 +127,7 @@ class Delayed(Strategy):
         node = 0
         for _ in range(l1):  # trunk: one draw per node
             dist = expand([node])[0]
-            if c["greedy_trunk"]:
+            if c.greedy_trunk:
                 tree.child_dist[node], tree.child_mode[node] = dist, "topk"
                 token = int(dist.argmax())
             else:

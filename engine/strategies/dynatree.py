@@ -21,6 +21,7 @@ The tree grows level by level with one batched draft forward per level; within a
 parents are served first so the budget goes where the draft is confident.
 """
 from collections import deque
+from dataclasses import asdict
 
 from engine.strategies.base import BudgetedStrategy, Param, StrategyError
 from engine.strategies.graft import GRAFT_PARAMS
@@ -63,46 +64,46 @@ class DynaTree(BudgetedStrategy):
     }
 
     def check(self) -> None:
-        c = self.config
-        if not c["tau_l"] <= c["tau_h"]:
-            raise StrategyError(f"tau_l ({c['tau_l']}) must not exceed tau_h ({c['tau_h']})")
-        if not c["b_min"] <= c["b_mid"] <= c["b_max"]:
+        c = self.settings
+        if not c.tau_l <= c.tau_h:
+            raise StrategyError(f"tau_l ({c.tau_l}) must not exceed tau_h ({c.tau_h})")
+        if not c.b_min <= c.b_mid <= c.b_max:
             raise StrategyError("branch bounds must satisfy B_min <= B_mid <= B_max")
-        if not c["d0"] < c["d_max"]:
-            raise StrategyError(f"D0 ({c['d0']}) must be below D_max ({c['d_max']})")
-        if not c["rho_stop"] <= c["rho_deep"]:
-            raise StrategyError(f"rho_stop ({c['rho_stop']}) must not exceed rho_deep ({c['rho_deep']})")
+        if not c.d0 < c.d_max:
+            raise StrategyError(f"D0 ({c.d0}) must be below D_max ({c.d_max})")
+        if not c.rho_stop <= c.rho_deep:
+            raise StrategyError(f"rho_stop ({c.rho_stop}) must not exceed rho_deep ({c.rho_deep})")
 
     def reset(self) -> None:
-        c = self.config
-        self.state = {"d0": c["d0"], "tau_h": c["tau_h"], "tau_l": c["tau_l"]}
-        self.level = float(c["d0"])  # D0 before rounding: small steps add up instead of rounding away
-        self.recent = deque(maxlen=c["window"])
+        c = self.settings
+        self.state = {"d0": c.d0, "tau_h": c.tau_h, "tau_l": c.tau_l}
+        self.level = float(c.d0)  # D0 before rounding: small steps add up instead of rounding away
+        self.recent = deque(maxlen=c.window)
         self.depth = 0  # depth of the tree last built (the acceptance's denominator)
 
     def current_params(self) -> dict:
-        return {**self.config, **self.state}
+        return {**asdict(self.settings), **self.state}
 
     def expandable(self, tree, node: int) -> bool:
-        c, s = self.config, self.state
+        c, s = self.settings, self.state
         d, p = tree.depths[node], tree.path_q[node]
-        if not c["dynamic_depth"]:
+        if not c.dynamic_depth:
             return d < s["d0"]
-        return d < c["d_max"] and p >= c["rho_stop"] and (d < s["d0"] or p > c["rho_deep"])
+        return d < c.d_max and p >= c.rho_stop and (d < s["d0"] or p > c.rho_deep)
 
     def breadth(self, confidence: float) -> int:
-        c, s = self.config, self.state
-        if not c["dynamic_breadth"]:
-            return c["b_mid"]
+        c, s = self.settings, self.state
+        if not c.dynamic_breadth:
+            return c.b_mid
         if confidence >= s["tau_h"]:
-            return c["b_min"]
+            return c.b_min
         if confidence < s["tau_l"]:
-            return c["b_max"]
-        return c["b_mid"]
+            return c.b_max
+        return c.b_mid
 
     def build_within(self, drafter, tree, budget: int) -> None:
-        c = self.config
-        tau = c["tau"] if c["pruning"] else 0.0
+        c = self.settings
+        tau = c.tau if c.pruning else 0.0
         frontier = [0]
         while frontier and tree.num_drafted < budget:
             dists = drafter.expand(frontier)
@@ -116,12 +117,12 @@ class DynaTree(BudgetedStrategy):
         self.depth = max(tree.depths)
 
     def observe(self, accepted: int, drafted: int) -> None:
-        if not self.config["history"] or self.depth == 0:
+        if not self.settings.history or self.depth == 0:
             return
         self.recent.append(min(accepted / self.depth, 1.0))
-        c, s = self.config, self.state
-        error = sum(self.recent) / len(self.recent) - c["a_star"]
-        self.level = min(max(self.level + c["eta_d"] * error, 1.0), c["d_max"] - 1.0)
+        c, s = self.settings, self.state
+        error = sum(self.recent) / len(self.recent) - c.a_star
+        self.level = min(max(self.level + c.eta_d * error, 1.0), c.d_max - 1.0)
         s["d0"] = int(self.level + 0.5)
-        s["tau_h"] = round(min(max(s["tau_h"] - c["eta_h"] * error, 0.0), 1.0), 6)
-        s["tau_l"] = round(min(max(s["tau_l"] - c["eta_h"] * error, 0.0), s["tau_h"]), 6)
+        s["tau_h"] = round(min(max(s["tau_h"] - c.eta_h * error, 0.0), 1.0), 6)
+        s["tau_l"] = round(min(max(s["tau_l"] - c.eta_h * error, 0.0), s["tau_h"]), 6)

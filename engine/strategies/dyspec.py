@@ -58,18 +58,18 @@ class DySpec(BudgetedStrategy):
     }
 
     def check(self) -> None:
-        c = self.config
-        if c["threshold_variant"] and c["threshold"] >= 1.0:
-            raise StrategyError(f"threshold = {c['threshold']}: no slot value exceeds 1, the tree would be empty; "
+        c = self.settings
+        if c.threshold_variant and c.threshold >= 1.0:
+            raise StrategyError(f"threshold = {c.threshold}: no slot value exceeds 1, the tree would be empty; "
                                 "use a threshold below 1")
 
     def build_within(self, drafter, tree, budget: int) -> None:
-        c = self.config
-        build = self._threshold if c["threshold_variant"] else self._greedy
+        c = self.settings
+        build = self._threshold if c.threshold_variant else self._greedy
         values = build(drafter, tree, budget)
         tree.extra["dyspec_values"] = values
         order = list(range(1, len(tree)))  # node ids follow the expansion order
-        if c["dfs_order"] and len(tree) > 2:
+        if c.dfs_order and len(tree) > 2:
             mapping = tree.reorder(dfs_order(tree))
             drafter.remap(mapping)
             order = [mapping[n] for n in order]
@@ -88,7 +88,7 @@ class DySpec(BudgetedStrategy):
 
     # -- the exact greedy (Algorithm 1), with batched draft forwards ---------------------------------------------
     def _greedy(self, drafter, tree, budget: int) -> list[float]:
-        max_depth = self.config["max_depth"]
+        max_depth = self.settings.max_depth
         ranked = self._sorted_children(tree, [0], drafter.expand([0]), budget)  # node -> (probs, tokens)
         # Heap entries: (-value, seq, parent, rank). rank = -1 marks a pending first-child slot of an unexpanded
         # node `parent`, valued at its upper bound path_q(parent) since q <= 1.
@@ -133,7 +133,7 @@ class DySpec(BudgetedStrategy):
         known slots beat its upper bound, and each of those is taken first; (b) the nodes the greedy would take
         next if no pending slot won, created ahead so that their distributions are ready when they are taken
         (without this, a flat draft costs one forward per node). Neither changes the pop order."""
-        max_depth = self.config["max_depth"]
+        max_depth = self.settings.max_depth
         known = sorted(-e[0] for e in heap if e[3] >= 0)
         nodes = [n for n in sorted(pending) if len(known) - bisect_right(known, tree.path_q[n]) < room]
         top = heap[0][2]
@@ -163,7 +163,7 @@ class DySpec(BudgetedStrategy):
 
     # -- the threshold variant (Appendix A.2): one draft forward per layer ----------------------------------------
     def _threshold(self, drafter, tree, budget: int) -> list[float]:
-        threshold = self.config["threshold"]
+        threshold = self.settings.threshold
         frontier, values = [0], []
         while frontier and tree.num_drafted < budget:
             room = budget - tree.num_drafted
@@ -181,5 +181,5 @@ class DySpec(BudgetedStrategy):
                 added.append(tree.add(node, token, p, rank))
                 values.append(-neg)
             # A child of v is worth at most path_q(v): expand v only if that can clear the threshold.
-            frontier = [v for v in added if tree.depths[v] < self.config["max_depth"] and tree.path_q[v] > threshold]
+            frontier = [v for v in added if tree.depths[v] < self.settings.max_depth and tree.path_q[v] > threshold]
         return values

@@ -37,10 +37,10 @@ class Eagle2(Strategy):
         return SizeCost(len(kept), accepted_within(sample, kept), list(sample.draft_rows), len(kept) + 1)
 
     def build(self, drafter, tree) -> None:
-        c = self.config
-        k = c["k"]
+        c = self.settings
+        k = c.k
         layer = self.add_top_children(tree, 0, drafter.expand([0])[0], k)
-        for _ in range(c["depth"]):
+        for _ in range(c.depth):
             beam = sorted(layer, key=lambda v: (-tree.path_q[v], v))[:k]
             if not beam:
                 break
@@ -49,5 +49,5 @@ class Eagle2(Strategy):
             for node, dist, top in zip(beam, dists, self.level_tops(dists, k)):
                 layer += self.add_top_children(tree, node, dist, k, top=top)
         ranked = sorted(range(1, len(tree)), key=lambda v: (-tree.path_q[v], tree.depths[v], v))
-        if len(ranked) > c["n"]:
-            drafter.remap(tree.prune([0] + ranked[: c["n"]]))
+        if len(ranked) > c.n:
+            drafter.remap(tree.prune([0] + ranked[: c.n]))

@@ -19,17 +19,17 @@ class FixedTree(Strategy):
     }
 
     def build(self, drafter, tree) -> None:
-        c = self.config
+        c = self.settings
         frontier = [0]
-        for _ in range(c["depth"]):
-            if not frontier or tree.num_drafted >= c["budget"]:
+        for _ in range(c.depth):
+            if not frontier or tree.num_drafted >= c.budget:
                 break
             dists = drafter.expand(frontier)
             # Most probable parents first, so the budget goes to the likeliest paths.
             order = sorted(range(len(frontier)), key=lambda i: -tree.path_q[frontier[i]])
-            tops = self.level_tops(dists, c["branch"])
+            tops = self.level_tops(dists, c.branch)
             next_frontier = []
             for i in order:
                 next_frontier += self.add_top_children(
-                    tree, frontier[i], dists[i], c["branch"], c["tau"], c["budget"], tops[i])
+                    tree, frontier[i], dists[i], c.branch, c.tau, c.budget, tops[i])
             frontier = next_frontier

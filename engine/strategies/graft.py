@@ -139,7 +139,7 @@ class LookupGrafted:
     def __init__(self, model: BudgetedStrategy):
         self.model = model
         self.child_modes_used = tuple(dict.fromkeys((*model.child_modes_used, "topk")))
-        self.index = LookupIndex(model.config["lookup_min_match"], MAX_MATCH)
+        self.index = LookupIndex(model.settings.lookup_min_match, MAX_MATCH)
         self.gate = LookupGate()
         self.vocab_size, self.device, self.costs, self.alone = None, None, None, False
 
@@ -165,13 +165,13 @@ class LookupGrafted:
         """The model's tree under the budget less the lookup reservation, then the lookup branches; or, where the gate
         says so, the lookup's tree alone under the whole budget. tree.extra records "lookup_only" and
         "lookup_s", the seconds the lookup's own work took (index queries and grafting; no model forward)."""
-        self.alone, budget = False, self.config["budget"]
+        self.alone, budget = False, self.settings.budget
         start = time.perf_counter()
         best, match, alone_s = self.probe(len(tree), budget)
-        self.alone = bool(self.config["lookup_gate"]) and self.gate.lookup_only(match, alone_s)
+        self.alone = bool(self.settings.lookup_gate) and self.gate.lookup_only(match, alone_s)
         lookup_s = time.perf_counter() - start
         if not self.alone:
-            self.model.build_within(drafter, tree, budget - min(self.config["lookup_budget"], budget // 2))
+            self.model.build_within(drafter, tree, budget - min(self.settings.lookup_budget, budget // 2))
         start = time.perf_counter()
         self.graft(tree, self.room(tree, budget, match))
         tree.extra["lookup_s"] = lookup_s + time.perf_counter() - start
@@ -184,7 +184,7 @@ class LookupGrafted:
         lookup-only tree (at most the budget, or every continuation's tokens)."""
         found = self.index.continuations(1, MAX_LEN) if self.index.tokens else []
         best, match = (found[0][0], self.index.last_match) if found else ([], 0)
-        size = rows + min(budget, self.config["lookup_continuations"] * MAX_LEN)
+        size = rows + min(budget, self.settings.lookup_continuations * MAX_LEN)
         return best, match, self.predicted_s([], size)
 
     def room(self, tree: DraftTree, budget: int, match: int) -> int:
@@ -192,9 +192,9 @@ class LookupGrafted:
         the lookup's rows would cost more verification time than they return (the graft must not cost where it does
         not help)."""
         room = budget - tree.num_drafted
-        if self.alone or not self.config["lookup_gate"] or room <= 0:
+        if self.alone or not self.settings.lookup_gate or room <= 0:
             return room
-        rows = len(tree) + min(room, self.config["lookup_continuations"] * MAX_LEN)
+        rows = len(tree) + min(room, self.settings.lookup_continuations * MAX_LEN)
         extra_s = self.predicted_s([], rows) - self.predicted_s([], len(tree))
         return room if self.gate.worth_grafting(match, extra_s) else 0
 
@@ -216,7 +216,7 @@ class LookupGrafted:
         and at the leaf ("lookup_match_leaf")."""
         if not self.index.tokens:  # never saw the context (a build outside the decoder)
             return []
-        conts = self.config["lookup_continuations"]
+        conts = self.settings.lookup_continuations
         leaf = best_leaf(tree)
         added = build_lookup_tree(tree, self.index, room, conts, MAX_LEN, vocab_size=self.vocab_size,
                                   device=self.device)
@@ -236,7 +236,7 @@ def best_leaf(tree: DraftTree) -> int | None:
 
 def grafted(strategy):
     """`strategy` wrapped in LookupGrafted when it offers the switch and has it on; else `strategy` itself."""
-    if isinstance(strategy, BudgetedStrategy) and strategy.config.get("lookup"):
+    if isinstance(strategy, BudgetedStrategy) and getattr(strategy.settings, "lookup", False):
         return LookupGrafted(strategy)
     return strategy
 

@@ -37,7 +37,7 @@ class Linear(Strategy):
     def build(self, drafter, tree) -> None:
         generator = drafter.generator  # the decoder gives the drafter one exactly when it samples
         node = 0
-        for _ in range(self.config["k"]):
+        for _ in range(self.settings.k):
             dist = drafter.expand([node])[0]
             if generator is None:
                 node = self.add_top_children(tree, node, dist, 1)[0]
@@ -45,5 +45,5 @@ class Linear(Strategy):
                 token = self.sample(dist, generator)
                 tree.child_dist[node], tree.child_mode[node] = dist, "iid"
                 node = tree.add(node, token, float(dist[token]), int((dist > dist[token]).sum()))
-            if tree.q[node] < self.config["stop_below"]:
+            if tree.q[node] < self.settings.stop_below:
                 break

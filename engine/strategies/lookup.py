@@ -34,15 +34,15 @@ class Lookup(Strategy):
     }
 
     def check(self) -> None:
-        if self.config["min_match"] > self.config["max_match"]:
-            raise StrategyError(f"min_match ({self.config['min_match']}) must not exceed max_match "
-                                f"({self.config['max_match']})")
+        if self.settings.min_match > self.settings.max_match:
+            raise StrategyError(f"min_match ({self.settings.min_match}) must not exceed max_match "
+                                f"({self.settings.max_match})")
 
     def reset(self) -> None:
-        c = self.config
-        self.index = LookupIndex(c["min_match"], c["max_match"])
+        c = self.settings
+        self.index = LookupIndex(c.min_match, c.max_match)
         self.vocab_size, self.device = None, None  # of the target's rows, from see_context
-        self.chain = c["max_continuations"] == 1  # one continuation: a single path, for the chain rules
+        self.chain = c.max_continuations == 1  # one continuation: a single path, for the chain rules
 
     def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
         """Extend the index with the tokens committed since the last call (rebuild it if the context changed)."""
@@ -50,9 +50,9 @@ class Lookup(Strategy):
         self.vocab_size, self.device = vocab_size or self.vocab_size, device or self.device
 
     def build(self, drafter, tree) -> None:
-        c = self.config
+        c = self.settings
         start = time.perf_counter()
-        build_lookup_tree(tree, self.index, c["budget"], c["max_continuations"], c["max_len"],
+        build_lookup_tree(tree, self.index, c.budget, c.max_continuations, c.max_len,
                           vocab_size=self.vocab_size, device=self.device)
         tree.extra["lookup_match"] = self.index.last_match
         tree.extra["lookup_s"] = time.perf_counter() - start  # the lookup's own work: the whole draft

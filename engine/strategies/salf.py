@@ -75,21 +75,21 @@ class SALF(Strategy):
     }
 
     def check(self) -> None:
-        c = self.config
-        if c["b"] > c["n"]:
-            raise StrategyError(f"B ({c['b']}) must not exceed N ({c['n']}): a round pops at most N useful nodes")
+        c = self.settings
+        if c.b > c.n:
+            raise StrategyError(f"B ({c.b}) must not exceed N ({c.n}): a round pops at most N useful nodes")
 
     def sizes(self) -> range:
-        return range(self.config["b"], super().sizes().stop)  # N < B is refused (check)
+        return range(self.settings.b, super().sizes().stop)  # N < B is refused (check)
 
     def cost_at(self, sample, size: int) -> SizeCost:
         """N moves eps and so the stop: replay the rounds with N = size on the observed tree (`replay`)."""
-        kept, rows = replay(sample, size, self.config["b"], self.config["th"], self.config["max_depth"])
+        kept, rows = replay(sample, size, self.settings.b, self.settings.th, self.settings.max_depth)
         return SizeCost(len(kept), accepted_within(sample, kept), rows, len(kept) + 1)
 
     def build(self, drafter, tree) -> None:
-        c = self.config
-        n, b, th, max_depth = c["n"], c["b"], c["th"], c["max_depth"]
+        c = self.settings
+        n, b, th, max_depth = c.n, c.b, c.th, c.max_depth
         queue: list[tuple] = []   # Q: (-pr, seq, parent, token, q, rank), trimmed to the N best after each round
         kept: list[tuple] = []    # G (root excluded) as a min-heap (pr, -node): evicts the latest of equal nodes
         seq = 0
