@@ -170,9 +170,10 @@ def test_a_runs_last_update_carries_the_panels_at_the_scrubbed_iteration():
     named = dict(zip(RUN_VIEW_OUTPUTS, view.update(Finished(run, None))))
     last = len(run.iterations) - 1
     assert f"iteration {last}," in named["step_plot"].layout.title.text and named["scrubber"]["value"] == last
-    page.shown, page.entropy = 1, True  # what the scrub handler and the entropy switch write meanwhile
+    page.shown, page.node, page.entropy = 1, 1, True  # what scrubbing, a node click, the entropy switch write
     named = dict(zip(RUN_VIEW_OUTPUTS, view.update(BaselineMeasured(run, run))))
     assert "iteration 1," in named["step_plot"].layout.title.text and "entropy" in named["tree"].layout.title.text
+    assert named["node"] == 1
     assert named["scrubber"] == {"__type__": "update"}  # left where the user put it
     assert sum(named["acceptance"].data[0].customdata) == len(run.iterations)
 

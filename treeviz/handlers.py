@@ -113,7 +113,7 @@ class RunView:
     def opening(self, text: str) -> tuple:
         """A fresh run: the previous run's views that would otherwise look current are cleared (the tree and the
         text stay until the first streamed iteration replaces them)."""
-        self.page.shown = None
+        self.page.shown = self.page.node = None
         empty = render_views(None, None, None)
         return outputs({"run": None, "ar": None, "scrubber": gr.update(value=0, maximum=1),
                         "status": status_html(text), "download": None, "badge": PENDING_BADGE,
@@ -135,7 +135,7 @@ class RunView:
     def finished(self, result, ar) -> tuple:
         """The run as soon as it ends, every view at its last iteration (AR's figures follow in `baseline` when AR
         was not cached)."""
-        self.page.shown = None
+        self.page.shown = self.page.node = None
         n = last_index(result)
         status = run_status(result) + ("" if ar is not None else " — measuring AR on the same prompt…")
         return outputs({"run": result, "ar": ar, "scrubber": gr.update(maximum=max(1, n or 0), value=n or 0),
@@ -144,12 +144,12 @@ class RunView:
                         **({"badge": MEASURING_BADGE} if ar is None else {})}, RUN_VIEW_OUTPUTS)
 
     def baseline(self, result, ar) -> tuple:
-        """AR's measurement arrived: every view again, with AR beside the run, at the iteration the user scrubbed to
-        meanwhile (the scrubber is left alone): the last value of /run is complete for an API caller."""
+        """AR's measurement arrived: every view again, with AR beside the run, at the iteration and node the user
+        chose meanwhile (the scrubber is left alone): the last value of /run is complete for an API caller."""
+        page = self.page
+        views = shown_run(result, ar, page.shown, self.stage_mode, page.entropy, page.node)
         return outputs({"run": result, "ar": ar, "status": status_html(run_status(result)),
-                        "download": save_trace(result),
-                        **shown_run(result, ar, self.page.shown, self.stage_mode, self.page.entropy)},
-                       RUN_VIEW_OUTPUTS)
+                        "download": save_trace(result), **views}, RUN_VIEW_OUTPUTS)
 
 
 def run_status(result) -> str:

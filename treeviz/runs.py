@@ -178,8 +178,10 @@ class RunSession:
 @dataclass
 class PageState:
     """What a browser session's page shows that a run's last event must respect, written by the page's own handlers:
-    the iteration the user scrubbed to once the run had finished (None: the last) and the entropy switch."""
+    the iteration the user scrubbed to and the node inspected once the run had finished (None: the last iteration,
+    the default node) and the entropy switch."""
     shown: int | None = None
+    node: int | None = None
     entropy: bool = False
 
 

@@ -231,7 +231,7 @@ def _wire_views(page: Page) -> None:
         api_name="scrub", concurrency_limit=None))
     page.stage_mode.change(on_stage, [page.run_state, page.scrubber, page.stage_mode], page.charts,
                            show_progress="hidden")
-    page.node.input(inspect, page.inputs(inspect, **SHOWN), [page.node, page.inspector, page.inspector_plot],
+    page.node.input(inspect_node, page.inputs(inspect_node, **SHOWN), [page.node, page.inspector, page.inspector_plot],
                     show_progress="hidden", api_name="inspect", concurrency_limit=None)
     shown_run = page.outputs(RUN_OUTPUTS, **RUN_RENAMED)
     teaching_ui.follow(page, page.upload.upload(lambda path, stage_mode: replay(path, stage_mode, "uploaded trace"),
@@ -248,6 +248,14 @@ def show_iteration(run, ar, index, stage_mode, node, request: gr.Request = None)
     BACKEND.page(handlers.browser_of(request)).shown = None if index is None else int(index)
     views = render_views(run, ar, index, stage_mode, node)
     return [views[name] for name in VIEW_NAMES]
+
+
+def inspect_node(run, index, node_id, request: gr.Request = None):
+    """The node inspector (treeviz/inspector.py `inspect`), the node kept as the page's state like the scrubbed
+    iteration."""
+    shown = inspect(run, index, node_id)
+    BACKEND.page(handlers.browser_of(request)).node = shown[0]
+    return shown
 
 
 def on_gallery(path, stage_mode):

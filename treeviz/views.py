@@ -161,12 +161,12 @@ def shown_tree(run, index: Any, entropy: bool) -> go.Figure:
 
 
 def shown_run(run: RunResult, ar_run: RunResult | None, index: int | None, stage_mode: str,
-              entropy: bool) -> dict[str, Any]:
-    """Every view and both teaching panels of iteration `index` (None: the last) of a finished run, by name: what
-    the last update of a Run or Compare carries."""
+              entropy: bool, node: Any = None) -> dict[str, Any]:
+    """Every view and both teaching panels of iteration `index` (None: the last; node `node` inspected) of a
+    finished run, by name: what the last update of a Run or Compare carries."""
     index = last_index(run) if index is None else index
     step, histogram, _ = iteration_panels(run, index, entropy)
-    views = render_views(run, ar_run, index, stage_mode)
+    views = render_views(run, ar_run, index, stage_mode, node)
     if entropy and run.iterations:
         views["tree"] = shown_tree(run, index, True)
     return {**views, "step_plot": step, "acceptance": histogram}
