@@ -44,7 +44,7 @@ def iteration_record(index: int, root_pos: int, tree: DraftTree, verdict: Verdic
     return IterationRecord(
         index=index, position=root_pos, nodes=nodes, accepted_path=path, bonus_token=verdict.bonus, bonus_text="",
         new_tokens=list(new), drafted=tree.num_drafted, accepted=min(len(path) - 1, len(new)), draft_forwards=0,
-        params=params, times={}, extra=dict(tree.extra))
+        params=params, times={}, extra=dict(tree.extra), lookup=tree.lookup, selector=tree.selector)
 
 
 def complete_record(record: IterationRecord, tokenizer, sampling: Sampling, tree: DraftTree,

@@ -39,8 +39,8 @@ def configs(rule: str) -> list[tuple]:
 def selector_summary(results) -> str:
     records = [r for result in results for r in result.iterations]
     chosen = Counter((r.params["k"], r.params["l1"], r.params["l2"]) for r in records)
-    predicted = [r.extra["selector"]["predicted_tokens_per_s"] for r in records
-                 if r.extra.get("selector", {}).get("predicted_tokens_per_s")]
+    predicted = [r.selector.predicted_tokens_per_s for r in records
+                 if r.selector is not None and r.selector.predicted_tokens_per_s]
     top = ", ".join(f"{a}: {n}" for a, n in chosen.most_common(5))
     mean = f"{sum(predicted) / len(predicted):.2f}" if predicted else "n/a"
     return f"{len(chosen)} distinct shapes over {len(records)} iterations (most chosen {top}); " \

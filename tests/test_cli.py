@@ -21,7 +21,7 @@ def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
         assert key in data["metrics"], key
     assert data["exact_match"] is True
     assert data["iterations"] and data["iterations"][0]["nodes"][0]["status"] == "root"
-    assert data["schema_version"] == 4
+    assert data["schema_version"] == 5
 
 
 def test_compare_ar_warms_up_and_interleaves(monkeypatch, capsys):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.core.reports import LookupReport, SelectorChoice
 from engine.core.trace import IterationRecord, NodeRecord, RunResult, load_run
 from engine.measure.metrics import run_metrics
 from treeviz.charts import charts_figure, throughput_figure
@@ -241,18 +242,18 @@ def test_hover_says_how_many_draws_a_merged_node_stands_for():
 def test_tree_title_says_what_the_neural_selector_chose():
     it = make_iteration()
     assert "selector" not in tree_figure(it).layout.title.text
-    it.extra["selector"] = {"k": 3, "l1": 0, "l2": 2, "predicted_tokens_per_s": 11.04}
+    it.selector = SelectorChoice(3, 0, 2, predicted_tokens_per_s=11.04)
     assert "selector chose (K, L1, L2) = (3, 0, 2), predicted 11.0 tok/s" in tree_figure(it).layout.title.text
-    it.extra["selector"]["predicted_tokens_per_s"] = None  # a pair without a cost table
+    it.selector.predicted_tokens_per_s = None  # a pair without a cost table
     assert tree_figure(it).layout.title.text.endswith("(3, 0, 2)")
 
 
 def test_tree_title_says_when_lookup_drafted_alone():
     it = make_iteration()
     assert "lookup alone" not in tree_figure(it).layout.title.text
-    it.extra["lookup_only"] = False
+    it.lookup = LookupReport(0.001, alone=False)
     assert "lookup alone" not in tree_figure(it).layout.title.text
-    it.extra["lookup_only"] = True
+    it.lookup.alone = True
     assert "lookup alone (the draft model was skipped" in tree_figure(it).layout.title.text
 
 

@@ -108,7 +108,7 @@ def test_trie_merges_shared_prefixes_and_records_support():
         assert [float(dist[tree.tokens[c]]) for c in tree.children[node]] == pytest.approx(
             [tree.q[c] for c in tree.children[node]])
     assert tree.source == ["root"] + ["lookup"] * 9
-    assert index.last_match == 1  # the match behind the answer (the strategy records it in tree.extra)
+    assert index.last_match == 1  # the match behind the answer (the strategy reports it in tree.lookup)
 
 
 def test_lone_chain_is_a_point_mass():
@@ -402,7 +402,7 @@ def test_graft_attaches_under_the_root_and_below_the_best_leaf():
                            (1, 5, 6, 9, 7, 8), (1, 5, 6, 9, 7, 8, 9)}
     assert len(added) == 9 and all(tree.source[v] == "lookup" for v in added)
     assert tree.source[one] == tree.source[three] == "model" and tree.child_mode[one] == "topk"
-    assert tree.extra["lookup_match"] == 1 and tree.extra["lookup_match_leaf"] == 2
+    assert tree.lookup.match == 1 and tree.lookup.match_leaf == 2
     small = DraftTree(root_token=9)
     assert len(strategy.graft(small, room=2)) == 2  # the room is a hard cap
     assert strategy.graft(DraftTree(root_token=9), room=0) == []
@@ -424,9 +424,33 @@ def test_sources_survive_a_trace_round_trip_and_older_traces_read_as_model():
         for node in it["nodes"]:
             del node["source"]
     back = run_from_dict(old)
-    assert SCHEMA_VERSION == 4
+    assert SCHEMA_VERSION == 5
     assert all(s == ["root"] + ["model"] * (len(s) - 2) + ["target"]
                for s in ([n.source for n in it.nodes] for it in back.iterations))
+
+
+def test_lookup_reports_are_typed_in_the_trace_and_older_traces_convert():
+    """What the lookup reports about a tree is a typed field of the record (schema 5), kept by a round trip; a
+    schema 4 trace's `extra` keys (lookup_s, lookup_only, lookup_match, lookup_match_leaf, selector) load into
+    the same fields and leave `extra`."""
+    from engine.core.reports import LookupReport, SelectorChoice
+    from engine.core.trace import run_from_dict
+    pair = tiny_random_pair("related", seed=0, dtype=torch.float32)
+    result = Decoder(pair, make_strategy("dynatree", lookup=True, lookup_min_match=1)).generate(
+        PROMPT, max_new_tokens=16, stop_on_eos=False)
+    reports = [it.lookup for it in result.iterations]
+    assert all(isinstance(r, LookupReport) and r.seconds >= 0 for r in reports)
+    assert [it.lookup for it in run_from_dict(result.to_dict(compact=True)).iterations] == reports
+    old = result.to_dict()
+    old["schema_version"] = 4
+    for it, report in zip(old["iterations"], reports):
+        del it["lookup"], it["selector"]
+        it["extra"] = {"lookup_s": report.seconds, "lookup_only": report.alone, "lookup_match": report.match,
+                       "selector": {"k": 2, "l1": 1, "l2": 1, "predicted_tokens_per_s": None}, "kept": 1}
+    back = run_from_dict(old).iterations
+    assert [(it.lookup.seconds, it.lookup.alone, it.lookup.match) for it in back] == [
+        (r.seconds, r.alone, r.match) for r in reports]
+    assert all(it.selector == SelectorChoice(2, 1, 1) and it.extra == {"kept": 1} for it in back)
 
 
 # -- the gate: lookup alone where this run's record says it is faster ------------------------------------------------
@@ -467,14 +491,14 @@ def test_gated_graft_skips_the_draft_only_when_it_pays_and_stays_exact(name):
         result = Decoder(pair, make_strategy(name, lookup=True, lookup_min_match=1)).generate(
             PROMPT, max_new_tokens=40, stop_on_eos=False)
         assert result.output_ids == reference.output_ids
-        alone[draft_s] = [it for it in result.iterations if it.extra["lookup_only"]]
+        alone[draft_s] = [it for it in result.iterations if it.lookup.alone]
         assert all(it.draft_forwards == 0 and {n.source for n in it.nodes[1:-1]} <= {"lookup"}
                    for it in alone[draft_s])
-        assert all(it.extra["lookup_s"] >= 0 for it in result.iterations)
+        assert all(it.lookup.seconds >= 0 for it in result.iterations)
     assert alone[10.0] and not alone[1e-6]
     pair.costs = None
     off = Decoder(pair, make_strategy(name, lookup=True, lookup_min_match=1, lookup_gate=False))
-    assert not any(it.extra["lookup_only"] for it in off.generate(PROMPT, max_new_tokens=20).iterations)
+    assert not any(it.lookup.alone for it in off.generate(PROMPT, max_new_tokens=20).iterations)
 
 
 def test_gated_graft_samples_reproducibly():
@@ -484,8 +508,7 @@ def test_gated_graft_samples_reproducibly():
                     sampling=Sampling(temperature=0.8, seed=0)).generate(PROMPT, max_new_tokens=24, stop_on_eos=False)
             for _ in range(2)]
     assert runs[0].output_ids == runs[1].output_ids and len(runs[0].output_ids) == 24
-    assert [it.extra["lookup_only"] for it in runs[0].iterations] == [it.extra["lookup_only"]
-                                                                       for it in runs[1].iterations]
+    assert [it.lookup.alone for it in runs[0].iterations] == [it.lookup.alone for it in runs[1].iterations]
 
 
 

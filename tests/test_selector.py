@@ -103,8 +103,8 @@ def test_choices_are_legal_actions(trained):
             features = neural.RootFeatures(torch.randn(8, generator=g) * scale, torch.randn(6, generator=g) * scale,
                                            torch.randn(len(neural.SCALARS), generator=g) * scale)
             choice = trained.choose(features, seconds)
-            assert (choice["k"], choice["l1"], choice["l2"]) in neural.ACTIONS
-            assert choice["predicted_tokens_per_s"] >= 1.0  # E[tau + 1] >= 1 over one second
+            assert (choice.k, choice.l1, choice.l2) in neural.ACTIONS
+            assert choice.predicted_tokens_per_s >= 1.0  # E[tau + 1] >= 1 over one second
     with pytest.raises(neural.SelectorError, match="hidden sizes"):
         trained.choose(neural.RootFeatures(torch.zeros(9), torch.zeros(6), torch.zeros(len(neural.SCALARS))), None)
 
@@ -164,9 +164,9 @@ def test_greedy_exact_and_recorded(related_pair):
         "hello world", max_new_tokens=30, stop_on_eos=False)
     assert result.output_ids == reference
     for record in result.iterations:
-        chosen = record.extra["selector"]
+        chosen = record.selector
         k, l1, l2 = record.params["k"], record.params["l1"], record.params["l2"]
-        assert (chosen["k"], chosen["l1"], chosen["l2"]) == (k, l1, l2) and (k, l1, l2) in neural.ACTIONS
+        assert (chosen.k, chosen.l1, chosen.l2) == (k, l1, l2) and (k, l1, l2) in neural.ACTIONS
         assert record.drafted <= l1 + k * l2
         assert max(n.depth for n in record.nodes if n.status != "bonus") <= l1 + l2
     for model in (related_pair.target, related_pair.draft):  # the hooks are gone after the run
@@ -179,7 +179,7 @@ def test_selector_choices_do_not_touch_the_default_path(related_pair):
         "hello world", max_new_tokens=8)
     for record in run:
         assert not related_pair.target.base_model.norm._forward_hooks
-        assert "selector" not in record.extra
+        assert record.selector is None
     assert run.state.drafter.taps is None and not run.state.drafter.dists
 
 

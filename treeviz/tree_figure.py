@@ -11,6 +11,7 @@ from typing import Any, Iterable, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine.core.reports import SelectorChoice
 from engine.core.trace import IterationRecord, NodeRecord
 from treeviz.html import visible_token
 from treeviz.layout import extent, tidy_layout
@@ -244,13 +245,13 @@ def _coloraxis(show_scale: bool = True) -> dict[str, Any]:
                          "tickvals": [0, 0.25, 0.5, 0.75, 1.0]}}
 
 
-def selector_caption(choice: dict | None) -> str:
+def selector_caption(choice: SelectorChoice | None) -> str:
     """What the delayed tree's neural selector chose for this iteration (engine/strategies/selector.py), or nothing."""
-    if not choice:
+    if choice is None:
         return ""
-    text = f"<br>selector chose (K, L1, L2) = ({choice['k']}, {choice['l1']}, {choice['l2']})"
-    if choice.get("predicted_tokens_per_s") is not None:
-        text += f", predicted {choice['predicted_tokens_per_s']:.1f} tok/s"
+    text = f"<br>selector chose (K, L1, L2) = ({choice.k}, {choice.l1}, {choice.l2})"
+    if choice.predicted_tokens_per_s is not None:
+        text += f", predicted {choice.predicted_tokens_per_s:.1f} tok/s"
     return text
 
 
@@ -274,8 +275,8 @@ def tree_figure(iteration: IterationRecord | None, frame: dict[str, list[float]]
         title = (f"iteration {iteration.index}: {iteration.drafted} drafted, "
                  f"{iteration.accepted} accepted + bonus "
                  f"'{visible_token(iteration.bonus_text)}', {iteration.times.get('total', 0) * 1000:.0f} ms")
-        title += selector_caption(iteration.extra.get("selector"))
-        if iteration.extra.get("lookup_only"):
+        title += selector_caption(iteration.selector)
+        if iteration.lookup is not None and iteration.lookup.alone:
             title += " · lookup alone (the draft model was skipped: lookup measured faster here)"
         if len(nodes) > LARGE_TREE:
             title += " (labels on the accepted path only)"

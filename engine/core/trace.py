@@ -12,10 +12,14 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
+from engine.core.reports import LookupReport, SelectorChoice
+
 # 2: NodeRecord.next_p / next_q (top-k next-token distributions per expanded node); 3: IterationRecord.cost (was
-# extra["cost"], converted on load); 4: NodeRecord.source (older traces: "model", the root "root")
-SCHEMA_VERSION = 4
-READABLE = (1, 2, 3, 4)
+# extra["cost"], converted on load); 4: NodeRecord.source (older traces: "model", the root "root"); 5:
+# IterationRecord.lookup and .selector (were extra["lookup_s" / "lookup_only" / "lookup_match" / "lookup_match_leaf"]
+# and extra["selector"], converted on load)
+SCHEMA_VERSION = 5
+READABLE = (1, 2, 3, 4, 5)
 TOP_K = 10  # entries in NodeRecord.next_p / next_q
 
 # Node outcomes. "rejected": a child of an accepted node that the target did not pick; "unreached": below a
@@ -85,6 +89,8 @@ class IterationRecord:
     times: dict[str, float]              # seconds: draft, build, verify, commit, other, total
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific signals (e.g. SALF's round sums)
     cost: IterationCost | None = None    # None without a cost table
+    lookup: LookupReport | None = None   # the context lookup's work, where a lookup drafted (engine/core/reports.py)
+    selector: SelectorChoice | None = None  # the delayed tree's neural selector's choice, where it chose
 
     @property
     def committed(self) -> int:
@@ -143,10 +149,25 @@ def run_from_dict(data: dict[str, Any]) -> RunResult:
                     node.source = ROOT if node.parent < 0 else "target" if node.status == BONUS else "model"
             cost = it.pop("cost", None) if version >= 3 else it.get("extra", {}).pop("cost", None)
             cost = IterationCost(**cost) if cost is not None else None
-            iterations.append(IterationRecord(nodes=nodes, cost=cost, **it))
+            lookup, selector = (it.pop("lookup", None), it.pop("selector", None)) if version >= 5 else reports_of(it)
+            iterations.append(IterationRecord(nodes=nodes, cost=cost, lookup=LookupReport(**lookup) if lookup else None,
+                                              selector=SelectorChoice(**selector) if selector else None, **it))
         return RunResult(iterations=iterations, **fields)
     except (KeyError, TypeError) as err:
         raise TraceError(f"not a treeviz trace: {err}") from None
+
+
+def reports_of(iteration: dict[str, Any]) -> tuple[dict | None, dict | None]:
+    """A schema < 5 iteration's lookup report and selector choice, taken out of its `extra` (fields of those names,
+    which such a schema did not have, are ignored)."""
+    iteration.pop("lookup", None), iteration.pop("selector", None)
+    extra = iteration.get("extra", {})
+    selector = extra.pop("selector", None)
+    if "lookup_s" not in extra:
+        return None, selector
+    lookup = {"seconds": extra.pop("lookup_s"), "alone": bool(extra.pop("lookup_only", False)),
+              "match": extra.pop("lookup_match", 0), "match_leaf": extra.pop("lookup_match_leaf", None)}
+    return lookup, selector
 
 
 def load_run(path: str | Path) -> RunResult:

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.core.reports import LookupReport, SelectorChoice
+
 
 @dataclass
 class DraftTree:
@@ -36,6 +38,9 @@ class DraftTree:
     # Who proposed each node: "model" (the draft; `add`'s default), "lookup" (engine/core/lookup.py: the context), or
     # "both" (a lookup continuation through a model node); the root is "root".
     source: list[str] = field(default_factory=list)
+    # What the strategy reports beside the tree (engine/core/reports.py); copied into the record.
+    lookup: LookupReport | None = None      # the context lookup's work (the lookup strategy, lookup grafting)
+    selector: SelectorChoice | None = None  # the delayed tree's neural selector's choice
     # Strategy-specific, JSON-able signals for this iteration (e.g. SALF's round sums); copied into the record.
     extra: dict[str, Any] = field(default_factory=dict)
 

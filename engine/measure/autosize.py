@@ -81,7 +81,7 @@ class AutoSizer:
     def observe(self, record: IterationRecord) -> int:
         """Learn from a finished iteration and set the knob for the next; returns the new value. An iteration that
         drafted with the lookup alone (engine/strategies/graft.py) says nothing about the model's tree: skipped."""
-        if record.extra.get("lookup_only"):
+        if record.lookup is not None and record.lookup.alone:
             return self.strategy.size()
         evidence = drift_evidence(record)
         if evidence is not None:

@@ -82,14 +82,14 @@ def acceptance_by_source(iterations: list[IterationRecord]) -> dict[str, dict[st
 
 def lookup_work(iterations: list[IterationRecord]) -> dict[str, float]:
     """The context lookup's own cost and use ({} when no iteration looked anything up): "share", the seconds of its
-    index queries and tree building (record.extra["lookup_s"]) over the iterations' total seconds; "alone", the
+    index queries and tree building (record.lookup.seconds) over the iterations' total seconds; "alone", the
     fraction of iterations a grafted strategy drafted with the lookup only (engine/strategies/graft.py)."""
-    looked = [it for it in iterations if "lookup_s" in it.extra]
+    looked = [it for it in iterations if it.lookup is not None]
     total = sum(it.times.get("total", 0.0) for it in looked)
     if not looked or total <= 0:
         return {}
-    return {"share": sum(it.extra["lookup_s"] for it in looked) / total,
-            "alone": sum(bool(it.extra.get("lookup_only")) for it in looked) / len(looked)}
+    return {"share": sum(it.lookup.seconds for it in looked) / total,
+            "alone": sum(it.lookup.alone for it in looked) / len(looked)}
 
 
 def cost_ratios(costs: list[IterationCost]) -> dict[str, float]:

@@ -16,12 +16,14 @@ without-replacement variant; rules that need i.i.d. children refuse it).
 With `neural_selector` (the paper's §6) the shape is chosen per iteration, right after the draft's root forward
 (which every shape begins with), by the trained selector of the run's rule family (engine/strategies/selector.py,
 assets/selector/); K, L1, L2 are then ignored. The choice and its predicted tokens/s go to the iteration's
-`extra["selector"]`, the shape also to its params. Losslessness never depends on it: every choice is a delayed tree.
+`selector` report (engine/core/reports.py), the shape also to its params. Losslessness never depends on it: every
+choice is a delayed tree.
 """
 from dataclasses import asdict
 
 import torch
 
+from engine.core.reports import SelectorChoice
 from engine.strategies import selector as neural
 from engine.strategies.base import Param, Strategy, StrategyError
 
@@ -67,12 +69,12 @@ class Delayed(Strategy):
 
     def reset(self) -> None:
         self.generator = None  # created on the draft's device at the first draw
-        self.chosen: dict | None = None  # the selector's latest choice
+        self.chosen: SelectorChoice | None = None  # the selector's latest choice
 
     def current_params(self) -> dict:
         params = asdict(self.settings)
         if self.chosen is not None:
-            params.update(k=self.chosen["k"], l1=self.chosen["l1"], l2=self.chosen["l2"])
+            params.update(k=self.chosen.k, l1=self.chosen.l1, l2=self.chosen.l2)
         return params
 
     def choose(self, drafter, root_dist: torch.Tensor) -> tuple[int, int, int]:
@@ -84,7 +86,7 @@ class Delayed(Strategy):
             self.selector = neural.shipped(taps.rule)
         seconds = neural.action_seconds(taps.costs, drafter.row_counts[0]) if taps.costs is not None else None
         self.chosen = self.selector.choose(taps.features(drafter, root_dist), seconds)
-        return self.chosen["k"], self.chosen["l1"], self.chosen["l2"]
+        return self.chosen.k, self.chosen.l1, self.chosen.l2
 
     def _draw(self, drafter, dist: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
         """The distribution actually drawn from, and `count` tokens from it: i.i.d., or without replacement (in draw
@@ -115,7 +117,7 @@ class Delayed(Strategy):
         if c.neural_selector:
             root[0] = drafter.expand([0])[0]
             k, l1, l2 = self.choose(drafter, root[0])
-            tree.extra["selector"] = dict(self.chosen)
+            tree.selector = self.chosen
 
         def expand(nodes: list[int]) -> list[torch.Tensor]:
             return [root.pop(0)] if nodes == [0] and root else drafter.expand(nodes)

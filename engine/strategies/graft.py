@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from engine.core.lookup import LookupIndex, build_lookup_tree, follow
+from engine.core.reports import LookupReport
 from engine.core.tree import DraftTree
 from engine.strategies.base import BudgetedStrategy, Param
 
@@ -174,8 +175,7 @@ class LookupGrafted:
             self.model.build_within(drafter, tree, budget - min(self.settings.lookup_budget, budget // 2))
         start = time.perf_counter()
         self.graft(tree, self.room(tree, budget, match))
-        tree.extra["lookup_s"] = lookup_s + time.perf_counter() - start
-        tree.extra["lookup_only"] = self.alone
+        tree.lookup.seconds, tree.lookup.alone = lookup_s + time.perf_counter() - start, self.alone
         seconds = alone_s if self.alone else self.predicted_s(drafter.row_counts, len(tree))
         self.gate.last = (self.alone, match, best, seconds, tree)
 
@@ -212,19 +212,19 @@ class LookupGrafted:
 
     def graft(self, tree: DraftTree, room: int) -> list[int]:
         """Merge lookup branches into `tree` within `room` new nodes: under the root, then below the model's most
-        probable leaf. Returns the new node ids; tree.extra records the match lengths at the root ("lookup_match")
-        and at the leaf ("lookup_match_leaf")."""
+        probable leaf. Returns the new node ids; tree.lookup reports the match lengths at the root and at the leaf."""
+        tree.lookup = LookupReport()
         if not self.index.tokens:  # never saw the context (a build outside the decoder)
             return []
         conts = self.settings.lookup_continuations
         leaf = best_leaf(tree)
         added = build_lookup_tree(tree, self.index, room, conts, MAX_LEN, vocab_size=self.vocab_size,
                                   device=self.device)
-        tree.extra["lookup_match"] = self.index.last_match
+        tree.lookup.match = self.index.last_match
         if leaf is not None and room > len(added):
             added += build_lookup_tree(tree, self.index, room - len(added), conts, MAX_LEN, under=leaf,
                                        vocab_size=self.vocab_size, device=self.device)
-            tree.extra["lookup_match_leaf"] = self.index.last_match
+            tree.lookup.match_leaf = self.index.last_match
         return added
 
 

@@ -10,6 +10,7 @@ one continuation of up to 10 tokens, matches of 3 tokens down to 1.
 import time
 
 from engine.core.lookup import LookupIndex, build_lookup_tree, follow
+from engine.core.reports import LookupReport
 from engine.strategies.base import Param, Strategy, StrategyError
 
 
@@ -54,5 +55,5 @@ class Lookup(Strategy):
         start = time.perf_counter()
         build_lookup_tree(tree, self.index, c.budget, c.max_continuations, c.max_len,
                           vocab_size=self.vocab_size, device=self.device)
-        tree.extra["lookup_match"] = self.index.last_match
-        tree.extra["lookup_s"] = time.perf_counter() - start  # the lookup's own work: the whole draft
+        # the lookup's own work is the whole draft
+        tree.lookup = LookupReport(seconds=time.perf_counter() - start, match=self.index.last_match)

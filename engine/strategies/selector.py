@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.core.reports import SelectorChoice
+
 K_MAX, L1_MAX, L2_MAX = 4, 4, 4
 ACTIONS: tuple[tuple[int, int, int], ...] = tuple(
     (k, l1, l2) for l1 in range(L1_MAX + 1) for l2 in range(L2_MAX + 1)
@@ -169,7 +171,7 @@ class Selector(nn.Module):
         return self.policy(h), 1 + nn.functional.softplus(self.efficiency(h))  # E[tau + 1] >= 1
 
     @torch.no_grad()
-    def choose(self, features: RootFeatures, seconds: torch.Tensor | None) -> dict:
+    def choose(self, features: RootFeatures, seconds: torch.Tensor | None) -> SelectorChoice:
         """argmax of the policy (as the paper does at inference); the predicted tokens/s is the efficiency head's
         E[tau + 1] of that action over its Eq. 11 seconds on this machine (None without a cost table)."""
         if features.target_hidden.shape[-1] != self.meta["target_dim"] or \
@@ -183,8 +185,8 @@ class Selector(nn.Module):
         k, l1, l2 = ACTIONS[index]
         be = float(efficiency[0, index])
         s = float(seconds[index]) if seconds is not None else None
-        return {"k": k, "l1": l1, "l2": l2, "predicted_block_efficiency": be, "predicted_s": s,
-                "predicted_tokens_per_s": be / s if s else None, "rule": self.meta.get("rule")}
+        return SelectorChoice(k, l1, l2, predicted_block_efficiency=be, predicted_s=s,
+                              predicted_tokens_per_s=be / s if s else None, rule=self.meta.get("rule"))
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
