@@ -1,5 +1,5 @@
-"""The app's one compute thread (treeviz/compute_thread.py): a generator stepped there runs every step on that
-thread, one item per request, closes there, and its errors reach the caller; the app's runs decode there."""
+"""The app's one compute thread (treeviz/compute_thread.py): a run session's work runs every step on that thread,
+one event per request, closes there, and its errors reach the caller; the app's runs decode there."""
 from __future__ import annotations
 
 import threading
@@ -9,56 +9,74 @@ import pytest
 from treeviz.compute_thread import ComputeThread
 
 
-def test_a_stepped_generator_runs_every_step_on_the_compute_thread_in_lockstep():
-    compute, log = ComputeThread("test-compute"), []
+@pytest.fixture(scope="module")
+def backend():
+    from treeviz.runs import Backend
+    backend = Backend()
+    backend.pairs.load("tiny-random")
+    return backend
 
-    def body():
+
+def test_a_sessions_work_runs_every_step_on_the_compute_thread_in_lockstep(backend):
+    from treeviz.compute_thread import COMPUTE
+    from treeviz.runs import Progress, Started
+    log = []
+
+    def work(key):
         for i in range(3):
             log.append(("made", i, threading.get_ident()))
-            yield i
+            yield Progress(str(i))
     caller = threading.get_ident()
-    for item in compute.stepped(body()):
-        log.append(("used", item, caller))
+    for event in backend.open("lockstep", "run").events("go", "tiny-random", work):
+        if not isinstance(event, Started):
+            log.append(("used", int(event.text), caller))
     assert [entry[:2] for entry in log] == [("made", 0), ("used", 0), ("made", 1), ("used", 1), ("made", 2),
                                            ("used", 2)]  # lockstep: nothing is made ahead of its use
-    assert {entry[2] for entry in log if entry[0] == "made"} == {compute.ident} and compute.ident != caller
+    assert {entry[2] for entry in log if entry[0] == "made"} == {COMPUTE.ident} and COMPUTE.ident != caller
 
 
-def test_closing_the_stepped_generator_closes_the_body_on_the_compute_thread():
-    compute, closed_on = ComputeThread("test-compute"), []
+def test_closing_a_session_closes_its_work_on_the_compute_thread(backend):
+    from treeviz.compute_thread import COMPUTE
+    from treeviz.runs import Progress
+    closed_on = []
 
-    def body():
+    def work(key):
         try:
-            yield from range(100)
+            for i in range(100):
+                yield Progress(str(i))
         finally:
             closed_on.append(threading.get_ident())
-    items = compute.stepped(body())
-    assert next(items) == 0 and next(items) == 1
-    items.close()  # Stop: the body's finally (the pair's lock, say) runs where the body ran
-    assert closed_on == [compute.ident]
+    events = backend.open("closing", "run").events("go", "tiny-random", work)
+    assert [next(events).text for _ in range(3)] == ["go", "0", "1"]
+    events.close()  # the consumer went away: the work's finally runs where the work ran, the pair is let go
+    assert closed_on == [COMPUTE.ident] and not backend.pairs.run_lock.locked()
 
 
-def test_errors_reach_the_caller_and_the_thread_goes_on():
+def test_errors_reach_the_caller_and_the_thread_goes_on(backend):
+    from treeviz.runs import Failed, Progress
     compute = ComputeThread("test-compute")
 
-    def body():
-        yield 1
+    def bad():
         raise ValueError("bad step")
-    items = compute.stepped(body())
-    assert next(items) == 1
     with pytest.raises(ValueError, match="bad step"):
-        next(items)
+        compute.call(bad)
     assert compute.call(lambda a, b: a + b, 2, 3) == 5
     assert compute.call(lambda: compute.call(threading.get_ident)) == compute.ident  # a call from itself runs inline
 
+    def work(key):
+        yield Progress("1")
+        raise ValueError("bad step")
+    events = list(backend.open("errors", "run").events("go", "tiny-random", work))
+    assert events[1:] == [Progress("1"), Failed("ValueError: bad step")]  # one plain line, not a traceback
+    assert not backend.pairs.run_lock.locked()
 
-def test_the_apps_runs_decode_on_the_compute_thread():
+
+def test_the_apps_runs_decode_on_the_compute_thread(backend):
     """A RunSession steps its model work there (Run, Compare, race and sweep all go through it) under the pair's
     lock, while the wait for the pair and its lock stays in the caller's thread; the lock is let go at the end."""
     from treeviz.compute_thread import COMPUTE
-    from treeviz.runs import Backend, Progress, Started
-    backend, seen = Backend(), []
-    backend.pairs.load("tiny-random")
+    from treeviz.runs import Progress, Started
+    seen = []
 
     def work(key):
         seen.append((threading.get_ident(), backend.pairs.run_lock.locked(), key))

@@ -9,9 +9,10 @@ docs/experiments/design-measurements.md). Gradio steps a streaming handler in wh
 free, and each worker that ever ran a kernel keeps its pool, so without this module a run is slow whenever a step
 lands on another worker.
 
-So every model call the app makes runs on this one thread. `stepped(items)` steps a handler's generator here, one
-item per request, exactly as if the handler stepped it itself: the decoder still pauses while the handler draws the
-item, and a `with` block in the generator (inference mode, say, which is per thread) opens and closes on one thread.
+So every model call the app makes runs on this one thread: a run session (treeviz/runs.py) asks it for each event of
+its model work in turn, `call(next, work)`, exactly as if the handler stepped the work itself: the decoder still
+pauses while the handler draws the event, and a `with` block in the work (inference mode, say, which is per thread)
+opens and closes on one thread.
 """
 from __future__ import annotations
 
@@ -19,9 +20,7 @@ import os
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
-
-_END = object()  # next()'s default: the generator is exhausted
+from typing import Any, Callable
 
 
 class ComputeThread:
@@ -43,20 +42,6 @@ class ComputeThread:
         done: Future = Future()
         self._queue().put((done, fn, args))
         return done.result()
-
-    def stepped(self, items: Iterator) -> Iterator:
-        """`items`, each produced on this thread when asked for; closing the result (Stop, a finished consumer)
-        closes `items` there too, so its `finally` blocks run where the rest of it ran."""
-        try:
-            while True:
-                item = self.call(next, items, _END)
-                if item is _END:
-                    return
-                yield item
-        finally:
-            close = getattr(items, "close", None)
-            if close is not None:
-                self.call(close)
 
     @property
     def ident(self) -> int | None:

@@ -45,6 +45,14 @@ def status_update(text: str, error: bool = False, names: tuple[str, ...] = RUN_V
     return outputs({"status": status_html(text, error=error, progress=progress)}, names)
 
 
+def ending(event: Stopped | Failed, names: tuple[str, ...], stopped: str) -> tuple:
+    """The update a request ends on when it stopped or failed: its own `stopped` line; nothing when a newer request
+    of its view superseded it (that one's updates own the views); or the error as one plain line."""
+    if isinstance(event, Failed):
+        return status_update(event.message, error=True, names=names)
+    return outputs({}, names) if event.superseded else status_update(stopped, names=names)
+
+
 def spec_from_inputs(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_tokens: float,
                      temperature: float, top_p: float, top_k: float, seed: float, verifier: str,
                      params: dict | None) -> RunSpec:
@@ -103,11 +111,9 @@ class RunView:
                 return self.finished(result, ar)
             case BaselineMeasured(result, ar):
                 return self.baseline(result, ar)
-            case Stopped(superseded):  # superseded: the newer run of this session owns the views
-                return outputs({}, RUN_VIEW_OUTPUTS) if superseded else status_update(
-                    "stopped: the views show the run up to the last streamed iteration")
-            case Failed(message):
-                return status_update(message, error=True)
+            case Stopped() | Failed():
+                return ending(event, RUN_VIEW_OUTPUTS, "stopped: the views show the run up to the last streamed "
+                                                       "iteration")
         raise TypeError(f"not a run event: {event!r}")
 
     def opening(self, text: str) -> tuple:
@@ -166,9 +172,8 @@ def run_status(result) -> str:
 def stop(request: gr.Request) -> str:
     """Stop button: raise the flag of every session this browser session runs (Run, Compare, race, sweep); each
     ends between two iterations and says so in its own status line."""
-    browser = browser_of(request)
-    views = BACKEND.running(browser)
-    if not BACKEND.stop(browser):
+    views = BACKEND.stop(browser_of(request))
+    if not views:
         gr.Info("Nothing is running.")
         return gr.skip()
     return status_html("stopped: " + ", ".join(STOPPED_VIEWS.get(view, view) for view in views))
@@ -210,11 +215,8 @@ class CompareView:
             case Finished(result, ar):
                 self.complete = True
                 return self.finished(result, ar)
-            case Stopped(superseded):
-                return outputs({}, COMPARE_OUTPUTS) if superseded else status_update(
-                    "comparison stopped", names=COMPARE_OUTPUTS)
-            case Failed(message):
-                return status_update(message, error=True, names=COMPARE_OUTPUTS)
+            case Stopped() | Failed():
+                return ending(event, COMPARE_OUTPUTS, "comparison stopped")
         raise TypeError(f"not a compare event: {event!r}")
 
     def finished(self, result, ar) -> tuple:

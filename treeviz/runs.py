@@ -215,17 +215,20 @@ class Backend:
 
     def running(self, browser: str) -> list[str]:
         """The views this browser session is running now (busy state as data)."""
-        with self._lock:
-            return [key.partition("/")[2] for key, s in self._sessions.items()
-                    if key.partition("/")[0] == browser and not s.cancelled]
+        return list(self._live(browser))
 
-    def stop(self, browser: str) -> bool:
-        """Cancel every running session of `browser`; False if none was running."""
-        with self._lock:
-            running = [s for key, s in self._sessions.items() if key.partition("/")[0] == browser and not s.cancelled]
-        for session in running:
+    def stop(self, browser: str) -> list[str]:
+        """Cancel every running session of `browser`; the views it stopped (none: nothing was running)."""
+        live = self._live(browser)
+        for session in live.values():
             session.cancel()
-        return bool(running)
+        return list(live)
+
+    def _live(self, browser: str) -> dict[str, RunSession]:
+        """`browser`'s sessions not cancelled, by view."""
+        with self._lock:
+            return {key.partition("/")[2]: s for key, s in self._sessions.items()
+                    if key.partition("/")[0] == browser and not s.cancelled}
 
     def close(self, session: RunSession) -> None:
         with self._lock:
@@ -264,6 +267,13 @@ def run_to_end(pair, spec: RunSpec, session: RunSession) -> RunResult | None:
     return run.result
 
 
+def measure_ar(pair, spec: RunSpec, session: RunSession, key: tuple) -> Baseline | None:
+    """AR on `spec`'s prompt and settings, measured now and cached under `key` (BACKEND.ar_key); None if
+    cancelled while measuring."""
+    result = run_to_end(pair, spec.as_method(AR), session)
+    return None if result is None else BACKEND.ar_cache.put(key, result)
+
+
 def baseline(pair, spec: RunSpec, session: RunSession) -> Iterator[Progress]:
     """AR on `spec`'s prompt and settings: from the cache, else measured now (a Progress first); returns a Baseline,
     or None if cancelled while measuring."""
@@ -272,8 +282,7 @@ def baseline(pair, spec: RunSpec, session: RunSession) -> Iterator[Progress]:
     if cached is not None:
         return cached
     yield Progress("measuring plain autoregressive decoding on the same prompt…")
-    result = run_to_end(pair, spec.as_method(AR), session)
-    return None if result is None else BACKEND.ar_cache.put(key, result)
+    return measure_ar(pair, spec, session, key)
 
 
 def _run_seconds(spec: RunSpec, key: str) -> int:
@@ -303,12 +312,12 @@ def decode_events(spec: RunSpec, key: str) -> Iterator[Event]:
         yield Finished(result, measured.result)
         return
     yield Finished(result)
-    ar = run_to_end(pair, spec.as_method(AR), session)
-    if ar is None:  # the run stays shown, without a baseline
+    measured = measure_ar(pair, spec, session, ar_key)
+    if measured is None:  # the run stays shown, without a baseline
         yield Stopped(session.superseded)
         return
-    attach_comparison(result, BACKEND.ar_cache.put(ar_key, ar))
-    yield BaselineMeasured(result, ar)
+    attach_comparison(result, measured)
+    yield BaselineMeasured(result, measured.result)
 
 
 def _compare_seconds(spec: RunSpec, methods: list[str], key: str) -> int:

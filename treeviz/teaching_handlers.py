@@ -20,7 +20,7 @@ from engine.bench.sweep import DEFAULT_POINTS, MAX_POINTS, size_param, size_valu
 from engine.session import AR, RunSpec, check_spec
 from engine.strategies import STRATEGIES
 from treeviz.errors import USER_FACING
-from treeviz.handlers import browser_of, spec_from_inputs, status_update
+from treeviz.handlers import browser_of, ending, spec_from_inputs, status_update
 from treeviz.race import NOTE, race_figure, race_summary, seconds
 from treeviz.runs import BACKEND, Event, Failed, Progress, Raced, Started, Stopped, Swept, race_events, sweep_events
 from treeviz.sweep_figure import sweep_figure
@@ -91,11 +91,8 @@ def race_update(event: Event) -> tuple:
             summary = race_json(runs)
             return outputs({"race_runs": runs, "race_plot": race_figure(runs), "status": race_status_html(summary),
                             "race_summary": summary}, RACE_OUTPUTS)
-        case Stopped(superseded):
-            return outputs({}, RACE_OUTPUTS) if superseded else status_update(
-                "race stopped: nothing to show until every lane has finished", names=RACE_OUTPUTS)
-        case Failed(message):
-            return status_update(message, error=True, names=RACE_OUTPUTS)
+        case Stopped() | Failed():
+            return ending(event, RACE_OUTPUTS, "race stopped: nothing to show until every lane has finished")
     raise TypeError(f"not a race event: {event!r}")
 
 
@@ -165,11 +162,8 @@ def sweep_update(event: Event) -> tuple:
             return outputs({"sweep_plot": sweep_figure(progress["sweep"]), "status": sweep_status_html(progress),
                             **({"sweep_summary": sweep_json(progress)} if progress.get("complete") else {})},
                            SWEEP_OUTPUTS)
-        case Stopped(superseded):
-            return outputs({}, SWEEP_OUTPUTS) if superseded else status_update(
-                "sweep stopped (a stopped sweep is not cached)", names=SWEEP_OUTPUTS)
-        case Failed(message):
-            return status_update(message, error=True, names=SWEEP_OUTPUTS)
+        case Stopped() | Failed():
+            return ending(event, SWEEP_OUTPUTS, "sweep stopped (a stopped sweep is not cached)")
     raise TypeError(f"not a sweep event: {event!r}")
 
 

@@ -165,8 +165,8 @@ def shown_run(run: RunResult, ar_run: RunResult | None, index: int | None, stage
     """Every view and both teaching panels of iteration `index` (None: the last; node `node` inspected) of a
     finished run, by name: what the last update of a Run or Compare carries."""
     index = last_index(run) if index is None else index
-    step, histogram, _ = iteration_panels(run, index, entropy)
+    step, histogram, tree = iteration_panels(run, index, entropy)  # tree: the entropy tree, or "unchanged"
     views = render_views(run, ar_run, index, stage_mode, node)
     if entropy and run.iterations:
-        views["tree"] = shown_tree(run, index, True)
+        views["tree"] = tree
     return {**views, "step_plot": step, "acceptance": histogram}
