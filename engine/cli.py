@@ -23,21 +23,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
     p.add_argument("--packed-weights", default="auto", choices=("auto", "on", "off"),
-                   help="give CPU linears a pre-packed oneDNN path, routed per row count by measured cost; "
-                        "auto = when memory allows")
+                   help="CPU weight formats made by packing once (MKL, oneDNN): auto = offered to the per-shape "
+                        "probe beside plain, kept where they measure fastest and fit memory; on = packed only (no "
+                        "plain path); off = never packed")
     p.add_argument("--draft-vocab", default="full",
-                   help="N | full: the draft scores only the N most frequent tokens (assets/vocab); default full")
-    p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4", "auto"),
-                   help="weight-only quantised path for the draft's linears (CPU), used where measured faster; "
-                        "auto = both int8 and int4, the router picks per row count (the app's default)")
+                   help="N | full | auto: the draft scores only the N most frequent tokens (assets/vocab); auto: "
+                        "32768 where a committed frequency table fits the tokenizer (the app's default); default full")
+    p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4", "dyn8", "auto"),
+                   help="quantised path for the draft's linears (CPU), used where measured faster: int8 / int4 "
+                        "weight-only, dyn8 int8 weights times int8 activations (fbgemm, x86); auto = all of them "
+                        "this CPU has, the router picks per row count (the app's default)")
     p.add_argument("--steps", default="auto", choices=("auto", "static", "dynamic"),
                    help="model forwards on a growing cache (dynamic) or a preallocated one with row-count buckets "
                         "(static); auto: static exactly when the run takes captured steps (default auto)")
     p.add_argument("--capture", default="auto", choices=("auto", "on", "off"),
                    help="captured steps (docs/capture.md): on CPU, each model's forwards compiled ahead of time by "
                         "AOTInductor once per machine (minutes the first time, seconds after) and used at the row "
-                        "counts where they measure faster; on CUDA, one CUDA graph per row-count bucket (only with "
-                        "'on' until a GPU run has validated them). auto: CPU packages where a C++ compiler exists")
+                        "counts where they measure faster; on CUDA, one CUDA graph per row-count bucket (validated "
+                        "on an H100: docs/gpu.md). auto: both where they can be built")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the forward-cost table again instead of reading it from the cache")
     p.add_argument("--preset", default=None,
@@ -266,7 +269,9 @@ def cmd_costs(args) -> int:
     from engine.capture.packages import format_capture
     from engine.measure.costs import format_costs
     pair = _load(args)
-    print(format_costs(pair.costs, pair.routing()))
+    print(format_costs(pair.costs, pair.routing(), {role: c.summary() for role, c in pair.formats.items()}))
+    for note in pair.memory_notes:
+        print(f"memory plan: {note}")
     if pair.capture_info:
         print(format_capture(pair))
     if args.json:

@@ -27,6 +27,7 @@ from engine.core.trace import IterationRecord, RunResult
 from engine.core.tree import DraftTree
 from engine.measure.autosize import AutoSizer
 from engine.measure.metrics import run_metrics
+from engine.models.devices import machine_label
 from engine.records import complete_record, iteration_cost, iteration_record, margins
 from engine.strategies.base import Strategy
 from engine.strategies.selector import FeatureTaps
@@ -256,6 +257,7 @@ class Decoder:
             config={"target": pair.target_name, "draft": pair.draft_name if strategy.uses_draft else None,
                     "steps": self.steps_label(),
                     "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
+                    "machine": machine_label(pair.device),
                     "verifier": self.verifier.name, "sampling": self.sampling.as_dict(),
                     "max_new_tokens": stop.max_new_tokens,
                     "stop_on_eos": bool(stop.eos_ids), "stop_strings": list(stop.stop_strings)},
@@ -278,9 +280,13 @@ class Decoder:
         tree = DraftTree(root_token=committed[-1])
         if strategy.uses_context:  # context lookup: the committed stream, and the width of the target's rows
             strategy.see_context(committed, vocab_size=state.width, device=pair.device, costs=self.costs)
-        if drafter is not None:
+        # the auto sizer may ask for an AR step (no tree pays here): the tree stays the root alone, and the tokens it
+        # commits ride along with the next tree's first draft forward
+        drafting = drafter is not None and not (state.sizer is not None and state.sizer.resting)
+        if drafting:
             drafter.begin(tree, committed)
-        strategy.build(drafter, tree)  # drafter None: a strategy without a draft (AR's build adds nothing)
+        if drafting or drafter is None:
+            strategy.build(drafter, tree)  # drafter None: a strategy without a draft (AR's build adds nothing)
         params = strategy.current_params()  # after build: a selector may have chosen this tree's shape in it
         synchronize(pair.device)
         t1 = time.perf_counter()
@@ -288,22 +294,24 @@ class Decoder:
         t2 = time.perf_counter()
         path = verdict.path
         state.target.keep(root_pos + 1, [root_pos + node for node in path[1:]])
-        if drafter is not None:
+        if drafting:
             drafter.finish(path)
-        strategy.observe(len(path) - 1, tree.num_drafted)
+            strategy.observe(len(path) - 1, tree.num_drafted)
+        elif drafter is None:
+            strategy.observe(len(path) - 1, tree.num_drafted)
         synchronize(pair.device)
         t3 = time.perf_counter()
 
         proposed = [tree.tokens[n] for n in path[1:]] + [verdict.bonus]
         new, state.stop_reason = stop.cut(pair.tokenizer, state.generated, proposed)
         record = iteration_record(len(state.records), root_pos, tree, verdict, new, params)
-        draft_s = drafter.seconds if drafter is not None else 0.0
+        draft_s = drafter.seconds if drafting else 0.0
         t4 = time.perf_counter()
-        record.draft_forwards = drafter.forwards if drafter is not None else 0
+        record.draft_forwards = drafter.forwards if drafting else 0
         record.times = {"draft": draft_s, "build": t1 - t0 - draft_s, "verify": t2 - t1, "commit": t3 - t2,
                         "other": t4 - t3, "total": t4 - t0}
         if self.costs is not None:
-            record.cost = iteration_cost(self.costs, drafter.row_counts if drafter is not None else [], len(tree),
+            record.cost = iteration_cost(self.costs, drafter.row_counts if drafting else [], len(tree),
                                          record.times, context=root_pos)
         return record, tree, logits
 

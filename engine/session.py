@@ -53,7 +53,7 @@ class RunSpec:
     def as_method(self, method: str, params: dict | None = None) -> "RunSpec":
         """The same prompt and settings for another method ("dynatree", "dynatree@auto", "ar"): a Compare row."""
         name, _, preset = method.partition("@")
-        return replace(self, strategy=name, preset=preset or ("cpu" if name != self.strategy else self.preset),
+        return replace(self, strategy=name, preset=preset or ("auto" if name != self.strategy else self.preset),
                        params=dict(params or {}))
 
     def warm_up(self) -> "RunSpec":

@@ -32,6 +32,20 @@ DEFAULT_PAIRS = ("qwen2.5-1.5b/qwen2.5-0.5b,qwen2.5-7b/qwen2.5-0.5b,qwen3-8b/qwe
                  "smollm2-1.7b/smollm2-135m,pythia-2.8b/pythia-70m")
 
 
+def one_row_walls(steps, ids: list[int], repeats: int, warmup: int = 3) -> list[float]:
+    """Wall seconds of `repeats` one-row forwards at position PREFIX after the prefilled prefix (synchronised; the
+    cache rolled back after each), after `warmup` untimed ones."""
+    walls = []
+    for _ in range(repeats + warmup):
+        synchronize(steps.device)
+        start = time.perf_counter()
+        steps.forward([ids[PREFIX]], [PREFIX])
+        synchronize(steps.device)
+        walls.append(time.perf_counter() - start)
+        steps.keep(PREFIX, [])
+    return walls[warmup:]
+
+
 def replay_vs_kernels(model, repeats: int = 20) -> dict:
     """A single-row graphed step after a PREFIX-token cache: median wall ms of one forward (synchronised), the summed
     ms of the kernels that forward ran (profiler), and the median wall ms on a cache of 8,192 positions."""
@@ -42,15 +56,8 @@ def replay_vs_kernels(model, repeats: int = 20) -> dict:
         steps = StaticSteps(model, max_len, (1,), graphs=True)
         ids = probe_ids(model, PREFIX + 1).tolist()
         steps.prefill(ids[:PREFIX])
-        walls = []
-        for _ in range(repeats + 3):
-            synchronize(steps.device)
-            start = time.perf_counter()
-            steps.forward([ids[PREFIX]], [PREFIX])
-            synchronize(steps.device)
-            walls.append(time.perf_counter() - start)
-            steps.keep(PREFIX, [])
-        out[f"wall_ms_{max_len}"] = 1e3 * sorted(walls[3:])[repeats // 2]
+        walls = one_row_walls(steps, ids, repeats)
+        out[f"wall_ms_{max_len}"] = 1e3 * sorted(walls)[repeats // 2]
         if max_len == 1024:  # the same call as timed: input copies, the replay, the logits' copy out
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 steps.forward([ids[PREFIX]], [PREFIX])

@@ -18,6 +18,7 @@ from pathlib import Path
 from engine.bench.sweep import DEFAULT_POINTS, run_sweep
 from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.models import load_pair
+from engine.models.devices import machine_label
 from engine.session import RunSpec, split_pair
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "assets" / "traces" / "sweeps"
@@ -46,7 +47,7 @@ def make_sweep(args: argparse.Namespace) -> Path:
     for event in run_sweep(pair, spec, points=args.points):
         print(f"  {event['done']}/{event['total']} runs ({time.perf_counter() - started:.0f} s)", flush=True)
         last = event
-    sweep = {**last["sweep"], "kind": args.kind, "made_at": time.time()}
+    sweep = {**last["sweep"], "kind": args.kind, "made_at": time.time(), "machine": machine_label(pair.device)}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"sweep_{args.kind}_{args.strategy}.json"
     path.write_text(json.dumps(sweep, ensure_ascii=False, indent=1))

@@ -140,3 +140,34 @@ def test_auto_runs_on_the_production_path(name, monkeypatch):
     chosen = [it.cost.auto["next"] for it in result.iterations]
     assert all(m in strategy.sizes() for m in chosen) and set(chosen) != {start}
     assert strategy.size() == chosen[-1]
+
+
+def test_auto_drafts_nothing_where_no_tree_pays_and_tries_again(monkeypatch):
+    """A draft step priced at ten target steps: no tree pays, so after the first tree the sizer asks for REST AR
+    steps (root-only trees, no draft forward), then tries a tree again; the output is AR's token for token."""
+    from engine.measure.autosize import REST
+    monkeypatch.setattr(AutoSizer, "scale", lambda self: (1.0, 1.0))  # the synthetic table as given
+    pair = tiny_random_pair("related", seed=0)
+    pair.costs = PairCosts(ModelCosts("t", {"plain": {r: 0.01 + 0.001 * r for r in LADDER}}),
+                           ModelCosts("d", {"plain": {r: 0.1 for r in LADDER}}))
+    strategy = make_strategy("dynatree", preset="auto")
+    result = Decoder(pair, strategy).generate("hello", max_new_tokens=40, stop_on_eos=False)
+    reference = Decoder(pair, make_strategy("ar")).generate("hello", max_new_tokens=40, stop_on_eos=False)
+    assert result.output_ids == reference.output_ids
+    its = result.iterations
+    assert its[0].cost.auto["draft"] == "none" and "no tree pays" in its[0].cost.auto["why"]
+    assert its[0].cost.auto["predicted_ar_tokens_per_s"] > its[0].cost.auto["predicted_tokens_per_s"]
+    rest = its[1:1 + REST]
+    assert all([n.status for n in it.nodes] == ["root", "bonus"] and it.draft_forwards == 0 for it in rest)  # AR
+    assert its[1 + REST].draft_forwards > 0  # then a tree again, on fresh evidence
+
+
+def test_auto_keeps_drafting_where_trees_pay(monkeypatch):
+    monkeypatch.setattr(AutoSizer, "scale", lambda self: (1.0, 1.0))  # the synthetic table as given
+    pair = tiny_random_pair("identical", seed=0)  # the draft is the target: every node is accepted
+    pair.costs = PairCosts(ModelCosts("t", {"plain": {r: 0.01 + 0.0001 * r for r in LADDER}}),
+                           ModelCosts("d", {"plain": {r: 0.001 for r in LADDER}}))
+    result = Decoder(pair, make_strategy("dynatree", preset="auto")).generate("hello", max_new_tokens=40,
+                                                                             stop_on_eos=False)
+    assert all(it.cost.auto["draft"] == "tree" for it in result.iterations)
+    assert all(it.draft_forwards > 0 for it in result.iterations)

@@ -162,11 +162,11 @@ def test_costs_command_prints_the_table(tmp_path, capsys, monkeypatch):
                  "int8", "--json", str(out)])
     assert code == 0
     text = capsys.readouterr().out
-    for needle in ("target  packed", "draft   int8", "t(16)=", "c = draft step / target step", "routing target:",
-                   "GB/s", "streaming read"):
+    for needle in ("target  routed", "draft   routed", "t(16)=", "c = draft step / target step", "routing target:",
+                   "formats draft (probe", "int8", "GB/s", "streaming read"):
         assert needle in text, needle
     data = json.loads(out.read_text())
-    assert data["c"] > 0 and set(data["draft"]["seconds"]) == {"plain", "packed", "int8"}
+    assert data["c"] > 0 and set(data["draft"]["seconds"]) == {"routed"}  # timed as routed per shape group
 
 
 def test_bench_with_cheap_draft_and_auto_preset(tmp_path, capsys, monkeypatch):

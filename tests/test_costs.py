@@ -84,16 +84,44 @@ def test_cache_reused_and_invalidated_by_machine_model_dtype_torch(monkeypatch):
     assert len(measure.calls) == 7 * fresh
 
 
-def test_a_new_path_is_measured_alone_and_merged():
+class Ranked(Counter):
+    """Plain 1 ms per row, packed 1.5 (loses at every rung), int8 0.5 (wins at every rung)."""
+    SPEED = {"plain": 1.0, "packed": 1.5, "int8": 0.5}
+
+    def __call__(self, model, paths, **kw):
+        self.calls.append(list(paths))
+        return {p: table(lambda r, p=p: 0.001 * r * self.SPEED[p]) for p in paths}
+
+
+def test_a_new_path_is_measured_alone_and_merged_and_other_contexts_only_for_winners():
     pair = tiny_random_pair("related", seed=0, packed=True)
-    measure = Counter()
+    measure = Ranked()
     first = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
-    assert measure.calls == [["plain", "packed"]] * (1 + len(CONTEXTS)) and first.measured
+    assert measure.calls == [["plain", "packed"]] + [["plain"]] * len(CONTEXTS) and first.measured
+    assert all(t["packed"] == {r: float("inf") for r in LADDER} for t in first.contexts.values())  # priced, not guessed
     from engine.core.kernels import quantize_linears
     quantize_linears(pair.draft, "int8")
     second = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
-    assert measure.calls[-1] == ["int8"] and set(second.seconds) == {"plain", "packed", "int8"}
+    assert measure.calls[2:] == [["int8"]] * (1 + len(CONTEXTS))  # int8 wins somewhere: both context lengths
+    assert set(second.seconds) == {"plain", "packed", "int8"}
     assert all(set(t) == {"plain", "packed", "int8"} for t in second.contexts.values())
+
+
+def test_a_losing_path_is_not_climbed(related_pair):
+    # measure itself: a path twice the best at a rung gets infinity above it, and never wins a row count there
+    from engine.core.kernels import KERNELS, add_format
+    import time as time_mod
+    model = tiny_random_pair("related", seed=0).target
+    add_format(model, "int8")
+    slow = KERNELS["int8"]
+    try:
+        KERNELS["int8"] = lambda *a: (time_mod.sleep(0.004), slow(*a))[1]  # a kernel far slower than plain
+        seconds = costs_mod.measure(model, ["plain", "int8"], ladder=(1, 2, 4), repeats=1)
+    finally:
+        KERNELS["int8"] = slow
+    assert seconds["int8"][1] > 2 * seconds["plain"][1]
+    assert seconds["int8"][2] == seconds["int8"][4] == float("inf")
+    assert ModelCosts("m", seconds).routing(4) == ["plain"] * 4
 
 
 def test_a_table_cached_before_context_lengths_loads_and_gains_them():
@@ -120,15 +148,16 @@ def test_costs_interpolate_between_context_lengths():
     assert pair.predict([1], 4, context=long) == {"draft_s": 3.0, "verify_s": 6.0, "total_s": 9.0}
 
 
-def test_calibration_measures_every_path_and_installs_routing():
+def test_calibration_measures_the_routed_models_and_keeps_the_probes_routing():
     pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="on", draft_quant="int8")
-    assert pair.costs is not None
-    assert set(pair.costs.target.seconds) == {"plain", "packed"}
-    assert set(pair.costs.draft.seconds) == {"plain", "packed", "int8"}
-    for model, table_ in ((pair.target, pair.costs.target), (pair.draft, pair.costs.draft)):
-        assert all(set(points) == set(LADDER) and min(points.values()) > 0 for points in table_.seconds.values())
+    assert pair.costs is not None and set(pair.formats) == {"target", "draft"}
+    for role, model, table_ in (("target", pair.target, pair.costs.target), ("draft", pair.draft, pair.costs.draft)):
+        assert set(table_.seconds) == {costs_mod.ROUTED}  # timed as routed: a routing per shape group
+        points = table_.seconds[costs_mod.ROUTED]
+        assert set(points) == set(LADDER) and min(points.values()) > 0
         router = router_of(model)
-        assert [router.path(r) for r in range(1, 65)] == table_.routing()
+        assert router.by_group == pair.formats[role].routing()  # the probe's routing stays installed
+        assert "plain" not in router.paths or "lm_head" in router.describe()  # packed="on": plain freed
     assert pair.costs.bandwidth > 0 and pair.costs.target.step_bytes > 0
 
 
@@ -239,3 +268,15 @@ def test_drift_leaves_out_the_prompt_iteration_and_warns_beyond_tolerance():
     few = [cost_record(i, 3.0, 3.0) for i in range(1, DRIFT_MIN_ITERATIONS)]
     assert drift_warning(cost_drift(few)) is None  # too little evidence
     assert cost_drift([]) == {} and drift_warning({}) is None
+
+
+def test_the_timing_cache_is_filled_without_a_prefill_and_times_like_one(related_pair):
+    """A table's forwards read a cache of random keys and values (no prefill to pay): its length is the prefix's,
+    and a forward over it reads as many positions as over a prefilled one (same logits shape, same cache growth)."""
+    model = related_pair.target
+    ids = costs_mod.probe_ids(model, 40)
+    with torch.inference_mode():
+        cache = costs_mod.filled_cache(model, ids, 32)
+        assert cache.get_seq_length() == 32
+        seconds = costs_mod.timed_forward(model, ids, 32, 4, cache)
+    assert seconds > 0 and cache.get_seq_length() == 32  # rolled back after the timed forward

@@ -51,13 +51,18 @@ def test_every_strategy_is_exact_with_a_cheap_draft(reference, options):
             assert result.output_ids == reference[prompt], (name, options, prompt)
 
 
-def test_auto_quant_offers_both_paths_to_the_router_on_cpu_only(cache):
-    from engine.core.kernels import quantize_linears, router_of
+def test_auto_quant_offers_the_quantised_formats_to_the_drafts_probe_on_cpu_only(cache):
+    from engine.core.kernels import QUANTISED, format_unavailable, quantize_linears, router_of
     pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="on", draft_quant="auto")
     assert pair.draft_quant == "auto"
-    assert set(router_of(pair.draft).paths) == {"plain", "packed", "int8", "int4"}
-    assert set(pair.costs.draft.seconds) == {"plain", "packed", "int8", "int4"}  # each measured, the router's pick
-    assert set(router_of(pair.target).paths) == {"plain", "packed"}  # the target is never quantised
+    offered = {p for p in QUANTISED if format_unavailable(p, pair.device, pair.dtype) is None}
+    for name, group in pair.formats["draft"].groups.items():  # each probed on every weight shape it takes
+        width, height = map(int, name.split("x"))
+        takes = {p for p in offered if p != "int4" or (width % 64 == 0 and height % 16 == 0)}
+        assert takes <= set(group.seconds) and set(group.kept) <= set(group.seconds)
+    assert set(router_of(pair.draft).paths) == set(pair.formats["draft"].kept) | ({"plain"} & set(
+        router_of(pair.draft).paths))  # only kept formats stay in memory (a tied plain weight aside)
+    assert not set(QUANTISED) & {p for g in pair.formats["target"].groups.values() for p in g.seconds}  # never
     with torch.device("meta"):  # a model off the CPU: auto adds nothing, an explicit mode is refused
         model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     assert quantize_linears(model, "auto") == 0
@@ -66,9 +71,10 @@ def test_auto_quant_offers_both_paths_to_the_router_on_cpu_only(cache):
 
 
 def test_quantised_draft_routes_its_rows_to_int_paths_where_forced(reference):
+    from engine.core.kernels import add_format
     pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="off", draft_quant="int4")
-    router = pair.draft.kernel_router
-    router.install(["int4"] * 64)  # every draft call on the quantised kernel, whatever the table says
+    add_format(pair.draft, "int4")  # the probe may not have kept it on this machine: make it, then force it
+    pair.draft.kernel_router.install(["int4"] * 64)  # every draft call on the quantised kernel, whatever the table says
     result = Decoder(pair, make_strategy("dynatree")).generate(PROMPTS[0], max_new_tokens=40, stop_on_eos=False)
     assert result.output_ids == reference[PROMPTS[0]]
 
@@ -156,3 +162,8 @@ def test_sampling_with_a_trimmed_q_follows_the_target(trimmed_pair, name, rule):
     assert second[[t for t in range(V) if t not in KEPT]].sum() > 0  # tokens the draft cannot propose are emitted
     pvalue = chi_square_pvalue(counts, joint)
     assert pvalue > ALPHA, f"{name} with {rule}: chi-square p = {pvalue:.2g}"
+
+
+def test_only_a_default_model_that_still_needs_converting_is_prepared_ahead():
+    from engine.models.packaged import prepare_ahead
+    assert prepare_ahead("tiny-random-related", torch.float32) is None  # nothing to convert: no process started

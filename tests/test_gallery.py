@@ -84,6 +84,19 @@ def test_the_gallery_opens_on_a_real_speedup():
 
 
 @pytest.mark.parametrize("path", sorted(TRACE_DIR.glob("*.json")), ids=lambda p: p.stem)
+def test_every_gallery_speedup_names_the_machine_it_was_measured_on(path):
+    machine = load_run(path).config.get("machine")
+    assert machine and f"vs AR on {machine}" in gallery_label(path)
+
+
+def test_a_new_run_records_its_machine(related_pair):
+    from engine.models.devices import machine_label
+    from engine.session import RunSpec, generate
+    run = generate(related_pair, RunSpec(pair="tiny-random", prompt="ab", strategy="dynatree", max_new_tokens=4))
+    assert run.config["machine"] == machine_label(related_pair.device) and "cores" in run.config["machine"]
+
+
+@pytest.mark.parametrize("path", sorted(TRACE_DIR.glob("*.json")), ids=lambda p: p.stem)
 def test_every_gallery_trace_has_both_distributions_for_its_inspector(path):
     run = load_run(path)
     expanded = [n for it in run.iterations for n in it.nodes if n.next_q]

@@ -1,19 +1,26 @@
-"""Kernel paths (engine/core/kernels.py): every path computes nn.Linear's numbers, routing follows the measured table,
-ties and saved state survive, decoding stays exact, refusals are clear."""
+"""Weight formats (engine/core/kernels.py): every format computes nn.Linear's numbers, routing follows the measured
+tables (per model and per shape group), ties and saved state survive, freed formats free memory, decoding stays
+exact, and a format the CPU cannot make is refused with a reason, never assumed."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
 
 from engine.core import kernels
-from engine.core.kernels import (PackingError, Router, RoutedLinear, pack_linears, quantize_linears, route_linears,
-                                 router_of, should_pack)
+from engine.core.kernels import (PackingError, Router, RoutedLinear, add_format, drop_format, mkl_works,
+                                 onednn_bf16, pack_linears, quantize_linears, route_linears, router_of)
 from engine.decoder import Decoder
 from engine.measure.costs import ModelCosts
 from engine.models import ModelLoadError, load_pair, tiny_random_pair
+from engine.models.loading import candidate_formats
 from engine.strategies import STRATEGIES, make_strategy
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 ROWS = [1, 2, 3, 4, 7, 8, 16, 33, 64]
+PACKED = ["packed"] + (["mkl"] if mkl_works() is None else [])
 
 
 def routed(bias=True, dtype=torch.float32, in_features=128, out_features=80) -> tuple[nn.Linear, RoutedLinear]:
@@ -23,17 +30,18 @@ def routed(bias=True, dtype=torch.float32, in_features=128, out_features=80) -> 
     return plain, layer
 
 
+@pytest.mark.parametrize("path", PACKED)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rows", ROWS)
-def test_plain_and_packed_paths_match_linear_fp32(rows, bias):
+def test_plain_and_packed_formats_match_linear_fp32(rows, bias, path):
     plain, layer = routed(bias)
-    layer.add_packed()
+    layer.add(path)
     x = torch.randn(1, rows, 128)
     with torch.inference_mode():
         want = plain(x)
         layer.router.forced = "plain"
         assert torch.equal(layer(x), want)  # the plain path is nn.Linear's own call
-        layer.router.forced = "packed"
+        layer.router.forced = path
         got = layer(x)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -41,7 +49,9 @@ def test_plain_and_packed_paths_match_linear_fp32(rows, bias):
 
 @pytest.mark.parametrize("rows", [1, 3, 9, 64])
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32])
-def test_packed_path_bf16(rows, compute_dtype):
+def test_packed_format_of_a_bf16_model(rows, compute_dtype):
+    if compute_dtype == torch.bfloat16 and not onednn_bf16():
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU: test_bf16_packing_is_refused_without_onednn_bf16 covers it")
     plain, layer = routed(dtype=torch.bfloat16)
     layer.add_packed(compute_dtype)
     layer.router.forced = "packed"
@@ -51,6 +61,36 @@ def test_packed_path_bf16(rows, compute_dtype):
         got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (2, rows, 80)
     torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
+
+
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}  # fbgemm reads its own variable
+
+
+def test_bf16_packing_is_refused_without_onednn_bf16():
+    # run as an AVX2-only CPU would (docs/cpu.md): no bf16 default, no bf16 packing, a bf16 model packs in fp32
+    script = """
+import torch
+from engine.core.kernels import PackingError, RoutedLinear, Router, onednn_bf16, packed_dtype
+from engine.models.devices import cpu_has_fast_bf16, resolve_dtype
+assert not onednn_bf16() and not cpu_has_fast_bf16()
+assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+layer = RoutedLinear(torch.nn.Linear(64, 32).to(torch.bfloat16), Router())
+try:
+    layer.add_packed(torch.bfloat16)
+    raise SystemExit("bf16 packing was not refused")
+except PackingError as err:
+    assert "no bf16 GEMM" in str(err), err
+layer.add_packed(packed_dtype(torch.bfloat16, cpu_has_fast_bf16()))
+layer.router.forced = "packed"
+x = torch.randn(3, 64).to(torch.bfloat16)
+ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+assert torch.allclose(layer(x).float(), ref, rtol=2e-2, atol=2e-2)
+print("ok")
+"""
+    env = {**os.environ, **AVX2}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("path", ["int8", "int4"])
@@ -75,7 +115,7 @@ def test_quantised_paths_match_their_dequantised_weights(path, dtype, rows):
 def test_int4_declines_shapes_it_cannot_take():
     assert routed(out_features=70)[1].add_int4() is False  # the kernel packs output channels in 16s
     _, layer = routed(in_features=96)  # not a multiple of the 64-wide groups
-    assert layer.add_int4() is False and "int4" not in layer.paths
+    assert layer.add_int4() is False and "int4" not in layer.paths and not layer.takes("int4")
     layer.router.paths = ["plain", "int4"]
     layer.router.forced = "int4"
     x = torch.randn(3, 96)
@@ -107,6 +147,18 @@ def test_routing_follows_the_table():
         Router().install(["packed"])
 
 
+def test_a_group_routing_overrides_the_model_routing():
+    router = Router()
+    router.paths = ["plain", "packed"]
+    router.install(["plain"], {"64x256": ["plain", "packed"]})
+    assert router.path(1, "64x256") == "plain"
+    assert router.path(5, "64x256") == "packed"
+    assert router.path(5, "64x260") == "plain"  # a group without a table takes the model's
+    assert "64x256: plain 1, packed 2+" in router.describe()
+    with pytest.raises(PackingError, match="does not have"):
+        router.install([], {"64x260": ["int4"]})
+
+
 def test_forcing_restores_the_routing_even_after_an_error():
     pair = tiny_random_pair("related", seed=0)
     router = route_linears(pair.target)
@@ -135,43 +187,62 @@ def test_routed_model_keeps_ties_and_state_dict():
     assert (model.lm_head.weight is embed) == tied
     assert set(model.state_dict()) == keys  # packed / quantised copies are never saved
     assert route_linears(model) is router_of(model)  # idempotent
+    up, head = model.model.layers[0].mlp.up_proj, model.lm_head
+    assert up.group == f"{up.in_features}x{up.out_features}" and head.group != up.group  # groups are weight shapes
+
+
+def test_dropping_a_format_frees_it_and_keeps_the_shape():
+    pair = tiny_random_pair("related", seed=0)
+    model = pair.target
+    model.lm_head.weight = model.get_input_embeddings().weight  # tie the head, as Qwen2.5's small models do
+    route_linears(model)
+    x = torch.randn(5, model.config.hidden_size)
+    layer = model.model.layers[0].mlp.up_proj
+    want = layer(x)
+    add_format(model, "packed", drop_plain=True)  # every plain weight freed right after its copy is made ...
+    assert layer.weight.device.type == "meta" and layer.weight.shape == (layer.out_features, layer.in_features)
+    embed = model.get_input_embeddings().weight
+    assert embed.device.type == "cpu" and model.lm_head.weight is embed  # ... but a tied one, which the embedding reads
+    router_of(model).install(["packed"])
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    assert kernels.format_bytes(model, "plain") == kernels.tensor_bytes(embed)  # the tied one is all that is left
+    drop_format(model, "packed")  # the only format left is never dropped
+    assert "packed" in layer.paths
 
 
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "ar"])
-def test_routed_pair_decodes_exactly(name):
+@pytest.mark.parametrize("multi", PACKED)
+def test_routed_pair_decodes_exactly(name, multi):
     plain = tiny_random_pair("related", seed=1)
-    packed = tiny_random_pair("related", seed=1, packed=True)
-    for model in (packed.target, packed.draft):  # both paths in one run: plain at 1-2 rows, packed above
-        router = router_of(model)
-        router.install(["plain", "plain"] + ["packed"] * 62)
+    routed_pair = tiny_random_pair("related", seed=1)
+    for model in (routed_pair.target, routed_pair.draft):  # both paths in one run: plain at 1-2 rows, packed above
+        add_format(model, multi)
+        router_of(model).install(["plain", "plain"] + [multi] * 62)
     prompt = "def f(x):\n    return"
     params = {}
     if not STRATEGIES[name].uses_draft:  # context lookup: a repetitive context, matches from one token up
         prompt, params = "the cat sat on the mat. the cat sat on the mat. the cat sat on the", {"min_match": 1}
     reference = Decoder(plain, make_strategy("ar")).generate(prompt, max_new_tokens=60, stop_on_eos=False)
-    result = Decoder(packed, make_strategy(name, **params)).generate(prompt, max_new_tokens=60, stop_on_eos=False)
+    result = Decoder(routed_pair, make_strategy(name, **params)).generate(prompt, max_new_tokens=60,
+                                                                          stop_on_eos=False)
     assert result.output_ids == reference.output_ids
     assert any(len(it.nodes) > 4 for it in result.iterations)  # wide enough forwards to take the packed path
 
 
-def test_should_pack_modes(monkeypatch):
-    model = tiny_random_pair("related", seed=0).target
+def test_candidate_formats():
     cpu = torch.device("cpu")
-    assert should_pack("off", [model], cpu, torch.float32)[0] is False
-    assert should_pack("on", [model], cpu, torch.float32)[0] is True
+    assert candidate_formats("off", "none", cpu, torch.float32) == ["plain"]
+    auto = candidate_formats("auto", "none", cpu, torch.float32)
+    assert auto[0] == "plain" and set(auto[1:]) == set(PACKED)
+    assert "plain" not in candidate_formats("on", "none", cpu, torch.float32)
+    assert candidate_formats("off", "auto", cpu, torch.float32) == ["plain", "int8", "int4", "dyn8"]
+    assert candidate_formats("off", "dyn8", cpu, torch.float32) == ["plain", "dyn8"]
+    assert "mkl" not in candidate_formats("auto", "none", cpu, torch.bfloat16)  # MKL's packed GEMM is fp32 only
     with pytest.raises(PackingError, match="one of auto, on, off"):
-        should_pack("sometimes", [model], cpu, torch.float32)
-    with pytest.raises(PackingError, match="fp32 and bf16"):
-        should_pack("on", [model], cpu, torch.float16)
-    with pytest.raises(PackingError, match="CPU optimisation"):
-        should_pack("on", [model], torch.device("cuda"), torch.float32)
-    # "auto" never refuses; it declines with a reason.
-    assert should_pack("auto", [model], torch.device("cuda"), torch.float32)[0] is False
-    monkeypatch.setattr(kernels, "available_memory", lambda: 1 << 20)
-    pack, why = should_pack("auto", [model], cpu, torch.float32)
-    assert pack is False and "more memory" in why
-    monkeypatch.setattr(kernels, "available_memory", lambda: 64 << 30)
-    assert should_pack("auto", [model], cpu, torch.float32)[0] is True
+        candidate_formats("sometimes", "none", cpu, torch.float32)
+    with pytest.raises(PackingError, match="cannot pack"):
+        candidate_formats("on", "none", cpu, torch.float16)
+    assert kernels.format_unavailable("packed", torch.device("cuda"), torch.float32).startswith("the packed format")
 
 
 def test_bf16_packs_in_fp32_without_native_bf16():
@@ -196,10 +267,231 @@ def test_step_bytes_follow_the_single_row_path():
 def test_load_pair_packing_option(monkeypatch, tmp_path):
     monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
     pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="on")
-    assert pair.packed and "packed weights" in pair.describe() and "routing" in pair.describe()
+    assert pair.packed and "routing" in pair.describe()
     assert set(pair.routing()) == {"target", "draft"}
+    assert set(pair.formats) == {"target", "draft"}
     assert not load_pair("tiny-random", "tiny-random", dtype="fp32", packed="off").packed
-    with pytest.raises(ModelLoadError, match="fp32 and bf16"):
+    with pytest.raises(ModelLoadError, match="cannot pack"):
         load_pair("tiny-random", "tiny-random", dtype="fp16", packed="on")
     with pytest.raises(ModelLoadError, match="one of none, int8, int4"):
         load_pair("tiny-random", "tiny-random", dtype="fp32", draft_quant="int3")
+
+
+# -- dyn8: int8 weights times dynamically quantised int8 activations (fbgemm) ------------------------------------------
+
+needs_dyn8 = pytest.mark.skipif(kernels.dyn8_unavailable() is not None,
+                                reason=f"no dyn8 here: {kernels.dyn8_unavailable()}")
+
+
+def dyn8_reference(layer: RoutedLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the dyn8 kernel computes, in fp32: several rows each scaled to max |x| = 1, then quantised together to
+    7-bit codes (0..127, reduce_range) with torch's own choice of scale and zero point, times the layer's dequantised
+    int8 weight, each row scaled back, plus the bias. And per row, what one code more or less in one input moves an
+    output by: a row's largest input can land exactly between two codes (with rows scaled to 1 it often does), and
+    fbgemm rounds that tie in float arithmetic of its own."""
+    x = x.float()
+    rows = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30) if x.shape[0] > 1 else torch.ones(1, 1)
+    x = x / rows
+    scale, zero = torch._choose_qparams_per_tensor(x, True)
+    codes = (torch.round(x / scale) + zero).clamp(0, 127)
+    weight = layer.dequantized("dyn8")
+    out = torch.nn.functional.linear((codes - zero) * scale, weight) * rows
+    return (out if layer.bias is None else out + layer.bias.float()), rows * scale * weight.abs().max()
+
+
+@needs_dyn8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", ROWS)
+def test_dyn8_matches_its_own_quantisation(rows, bias, dtype):
+    plain, layer = routed(bias, dtype)
+    assert layer.add("dyn8") and "dyn8" in layer.paths
+    layer.router.forced = "dyn8"
+    x = torch.randn(rows, 128).to(dtype)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 80)
+    # int32 sums of int8 products, scaled in fp32: the reference's own rounding is all that differs, and at most one
+    # tie rounded the other way per row
+    reference, one_code = dyn8_reference(layer, x)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert ((got.float() - reference).abs() <= one_code + tol * (1 + reference.abs())).all()
+    # and both quantisations together stay within a few percent of nn.Linear (7-bit activations, int8 weights)
+    want = plain(x.float() if dtype == torch.float32 else x).float().detach()
+    assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
+
+
+@needs_dyn8
+def test_dyn8_does_not_saturate_without_vnni():
+    """On a CPU without VNNI (AVX2 only: Zen 3), fbgemm adds pairs of u8 x s8 products in int16; 8-bit activations
+    overflow it, silently. dyn8 quantises activations to 7 bits, so even all-maximal codes stay exact there."""
+    script = """
+import torch
+from engine.core.kernels import RoutedLinear, Router
+layer = RoutedLinear(torch.nn.Linear(64, 16, bias=False), Router())
+with torch.no_grad():
+    layer.weight.fill_(0.5)  # every weight code 127
+layer.add("dyn8")
+layer.router.forced = "dyn8"
+x = torch.rand(3, 64) + 1.0  # positive: zero point 0, every code near the top of the range
+x[:, 0] = 0.0
+rows = x.abs().amax(dim=1, keepdim=True)  # the reference, as dyn8_reference computes it
+scale, zero = torch._choose_qparams_per_tensor(x / rows, True)
+codes = (torch.round(x / rows / scale) + zero).clamp(0, 127)
+reference = torch.nn.functional.linear((codes - zero) * scale, layer.dequantized("dyn8")) * rows
+with torch.inference_mode():
+    error = (layer(x) - reference).abs().max().item()
+assert error < 1e-3 * reference.abs().max().item(), error
+print("ok")
+"""
+    env = {**os.environ, **AVX2}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@needs_dyn8
+def test_dyn8_rows_keep_their_own_precision():
+    """One row of massive activations (Qwen's first token in a prefill) must not coarsen the other rows' codes: each
+    row comes out as it would alone. Quantised with one scale for all rows, the quiet rows would lose most of their
+    bits."""
+    _, layer = routed()
+    layer.add("dyn8")
+    layer.router.forced = "dyn8"
+    x = torch.randn(6, 128)
+    x[0] *= 1000.0
+    with torch.inference_mode():
+        together = layer(x)
+        alone = torch.cat([layer(row[None]) for row in x])
+    quiet = alone[1:].abs().max()
+    assert (together[1:] - alone[1:]).abs().max() < 0.03 * quiet
+    assert (together[0] - alone[0]).abs().max() < 0.03 * alone[0].abs().max()
+
+
+@needs_dyn8
+def test_dyn8_lives_in_the_registry_until_dropped():
+    _, layer = routed()
+    layer.add("dyn8")
+    handle = layer.dyn8_handle
+    key = int(handle)
+    assert key in kernels._DYN8 and handle.dtype == torch.int64 and handle.numel() == 1
+    # its bytes are the int8 weight's (plus per-channel extras), not the handle's 8
+    assert 128 * 80 <= kernels.tensor_bytes(handle) < 128 * 80 * 1.2
+    assert kernels.tensor_bytes(torch.tensor([key])) == 8  # the same number in another tensor is no handle
+    layer.add("dyn8")  # packing again frees the earlier packing
+    assert key not in kernels._DYN8 and int(layer.dyn8_handle) in kernels._DYN8
+    key = int(layer.dyn8_handle)
+    layer.drop("dyn8")
+    assert key not in kernels._DYN8 and "dyn8" not in layer.paths and not hasattr(layer, "dyn8_handle")
+    with pytest.raises(PackingError, match="names no packed weight"):
+        kernels.dyn8_params(torch.tensor([key]))
+    layer.add("dyn8")
+    key = int(layer.dyn8_handle)
+    del layer  # a layer collected without dropping it frees its packing too
+    assert key not in kernels._DYN8
+    with pytest.raises(PackingError, match="stand-in"):
+        kernels.dyn8_params(torch.zeros(1, dtype=torch.int64))  # a package's stand-in names nothing
+
+
+@needs_dyn8
+def test_dyn8_bytes_in_the_memory_plan_and_the_step():
+    model = tiny_random_pair("related", seed=0).target
+    fp32 = kernels.step_bytes(model)
+    quantize_linears(model, "dyn8")
+    router_of(model).install(["dyn8"])
+    # one byte per weight plus 12 per output channel, against four bytes per fp32 weight
+    assert fp32 / 4 < kernels.step_bytes(model) < fp32 / 3.3
+    assert kernels.format_bytes(model, "dyn8") == kernels.step_bytes(model)
+
+
+def test_dyn8_is_refused_where_fbgemm_cannot_run(monkeypatch):
+    kernels.dyn8_unavailable.cache_clear()
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    try:
+        reason = kernels.format_unavailable("dyn8", torch.device("cpu"), torch.float32)
+        assert reason is not None and "x86" in reason
+        model = tiny_random_pair("related", seed=0).draft
+        assert quantize_linears(model, "auto") > 0  # int8 and int4 ...
+        assert "dyn8" not in router_of(model).paths  # ... but not dyn8
+        with pytest.raises(PackingError, match="x86"):
+            quantize_linears(model, "dyn8")
+    finally:
+        kernels.dyn8_unavailable.cache_clear()
+    assert kernels.format_unavailable("dyn8", torch.device("cuda"), torch.float32).startswith("the dyn8 format")
+
+
+@needs_dyn8
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if STRATEGIES[n].uses_draft])
+def test_a_dyn8_draft_decodes_exactly(name):
+    """The draft's proposals change with its arithmetic; the output never does (the target decides)."""
+    plain = tiny_random_pair("related", seed=1)
+    pair = tiny_random_pair("related", seed=1)
+    add_format(pair.draft, "dyn8", drop_plain=True)  # a draft that can only run dyn8 (its tied head stays too)
+    router_of(pair.draft).install(["dyn8"] * 64)
+    prompt = "def f(x):\n    return"
+    reference = Decoder(plain, make_strategy("ar")).generate(prompt, max_new_tokens=60, stop_on_eos=False)
+    result = Decoder(pair, make_strategy(name)).generate(prompt, max_new_tokens=60, stop_on_eos=False)
+    assert result.output_ids == reference.output_ids
+    assert any(len(it.nodes) > 4 for it in result.iterations)  # trees of several rows, not only single rows
+    assert sum(it.accepted for it in result.iterations) > 0  # the dyn8 draft's proposals are accepted
+
+
+@needs_dyn8
+def test_a_captured_dyn8_draft_computes_what_the_eager_one_does(tmp_path):
+    """Packages traced with stand-in handles and called with the draft's own compute the eager dyn8 draft's logits,
+    at one row and at a dynamic row count -- after the draft was packed again under new handles, so a handle is the
+    package's input, never its constant (a package built in one process runs in another). Compiles two tiny
+    packages (about 20 s each)."""
+    from engine.capture import aoti
+    from engine.capture.packages import CapturedModel, Package
+    from engine.core.steps import DynamicSteps, StaticSteps, causal_visibility
+    reason = aoti.compiler_missing()
+    if reason:
+        pytest.skip(reason)
+    draft = tiny_random_pair("related", seed=0).draft
+    add_format(draft, "dyn8")
+    router_of(draft).install(["dyn8"] * 64)
+    recipes = [aoti.Recipe(1, "dyn8"), aoti.Recipe(2, "dyn8", hi=8)]
+    files = [tmp_path / f"dyn8-{i}.pt2" for i in range(len(recipes))]
+    for recipe, file in zip(recipes, files):
+        aoti.build(draft, recipe, file, kernels.standin_tensors(draft, recipe.formats()))
+    add_format(draft, "dyn8")  # packed again: new handles, the earlier packings freed
+    drop_format(draft, "plain")  # and the eager draft can only run dyn8
+    calls = []
+
+    def counted(runner):
+        return lambda *args: calls.append(1) or runner(*args)
+
+    packages = [Package(recipe, counted(aoti.load(file, kernels.format_tensors(draft, recipe.formats()))),
+                        str(file), None, 0.0, file.stat().st_size) for recipe, file in zip(recipes, files)]
+    captured = CapturedModel(packages)
+    captured.serve_all()
+    static, eager = StaticSteps(draft, 64, (1,), captured=captured), DynamicSteps(draft)
+    tol = dict(rtol=1e-4, atol=1e-3)  # fp32; inductor sums the norms in its own order
+    with torch.inference_mode():
+        ids = list(range(40, 52))  # 12 rows: eager in both
+        torch.testing.assert_close(static.prefill(ids), eager.prefill(ids), **tol)
+        for tokens in ([5], [6, 7, 8], [9], list(range(60, 68))):
+            positions = list(range(static.length, static.length + len(tokens)))
+            visible = causal_visibility(static.length, len(tokens))
+            torch.testing.assert_close(static.forward(tokens, positions, visible),
+                                       eager.forward(tokens, positions, visible), **tol)
+    assert len(calls) == 4  # every forward after the prefill ran a package
+
+
+def test_page_out_keeps_a_mapped_weight_readable_and_frees_its_pages(tmp_path):
+    """A loaded checkpoint's weights are views into its memory map: paging one out before it is dropped frees its
+    resident pages, and a tied view still reads the same values (they are read back from the file)."""
+    from safetensors.torch import load_file, save_file
+    file = tmp_path / "w.safetensors"
+    save_file({"w": torch.arange(4_000_000, dtype=torch.float32)}, str(file))
+    weight = load_file(str(file))["w"]
+    total = float(weight.sum())
+
+    def file_rss_kib() -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile"))
+
+    before = file_rss_kib() if os.path.exists("/proc/self/status") else None
+    kernels.page_out(weight)
+    if before is not None and tuple(map(int, os.uname().release.split(".")[:2])) >= (5, 4):
+        assert file_rss_kib() < before - 8_000  # ~15 MiB of pages gone (MADV_PAGEOUT, Linux 5.4+)
+    assert float(weight.sum()) == total

@@ -210,10 +210,14 @@ def test_real_shapes_static_equals_dynamic(dtype, graphs):
     assert attention.head_dim == 128 and attention.num_key_value_groups == 7
     dynamic, _ = run_iterations(DynamicSteps(model))
     static, _ = run_iterations(StaticSteps(model, capacity(len(PROMPT), 40, 8), (1, 2, 4, 8), graphs=graphs))
+    scale = max(float(x.float().std()) for x in dynamic)
     if dtype == torch.float32:
-        assert_all_close(static, dynamic, **TOL)
+        # fp32 GEMMs of other row counts (a padded bucket) split and order their sums differently, by CPU ISA and
+        # GPU: agreement to ~1e-4 of the logits' spread is what those kernels guarantee (seen: 4.3e-4 on an AVX2-only
+        # CPU, 5.4e-4 on an H100, spread ~8), and greedy decoding, which is exact, reads only each row's argmax
+        assert_all_close(static, dynamic, rtol=1e-4, atol=2e-4 * scale)
+        assert all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(static, dynamic))
     else:  # bf16: kernels of other row counts round differently; far below the logits' spread (std ~15)
-        scale = max(float(x.float().std()) for x in dynamic)
         assert_all_close([x.float() for x in static], [x.float() for x in dynamic], rtol=0.02, atol=0.05 * scale)
 
 

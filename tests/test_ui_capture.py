@@ -34,9 +34,17 @@ def test_first_start_serves_eagerly_then_switches_to_captured_steps(tmp_path, mo
     assert eager.config["steps"] == "eager"  # a run while the packages compile: eager, and says so
 
     wait_for_capture(pairs)
-    assert pair.capture_ready and "captured (AOTInductor)" in pairs.status()["description"]
-    captured = generate(pair, SPEC)
-    assert captured.config["steps"] == "captured (AOTInductor)" and captured.output_ids == eager.output_ids
+    loaded = {role: len(c.packages) for role, c in pair.captured.items()}
+    assert loaded.get("target") and loaded.get("draft"), loaded  # built by the other process, loaded here
+    assert "captured (AOTInductor)" in pairs.status()["description"]
+    # which row counts the packages serve is the measurement's call (only where faster than eager; on a tiny model
+    # that is machine noise); what a run takes must say which, and a captured run must match the eager one
+    assert generate(pair, SPEC).config["steps"] == ("captured (AOTInductor)" if pair.capture_ready else "eager")
+    for captured in pair.captured.values():
+        captured.serve_all()  # every row count through its package: the captured path, whatever it measured
+    captured_run = generate(pair, SPEC)
+    assert captured_run.config["steps"].startswith("captured (AOTInductor)")
+    assert captured_run.output_ids == eager.output_ids
     assert list((tmp_path / "captured").glob("*.pt2")), "the packages are on disk for the next start"
 
     # an AR measured eagerly never stands in for the captured one (and the other way round)
@@ -48,7 +56,9 @@ def test_first_start_serves_eagerly_then_switches_to_captured_steps(tmp_path, mo
 
     again = PairManager(capture="auto")  # a second start: everything built, loaded before the first run
     again.load("tiny-random")
-    assert again.pair.capture_ready and not again.status()["capture"]  # no builder started
+    assert not again.status()["capture"]  # no builder started
+    assert all(c.packages for c in again.pair.captured.values())
     info = again.pair.capture_info
     assert all(p["compile_s"] is None for role in info.values() for p in role["packages"])  # nothing compiled
-    assert generate(again.pair, SPEC).config["steps"] == "captured (AOTInductor)"
+    expected = "captured (AOTInductor)" if again.pair.capture_ready else "eager"
+    assert generate(again.pair, SPEC).config["steps"] == expected

@@ -4,11 +4,14 @@ draft calibration (DySpec's Hypothesis 1) and this machine's costs.
 All read only engine.core.trace records, so a gallery trace or an uploaded one shows them with no model loaded. The
 run-level numbers are the engine's (RunResult.metrics); the calibration cells are engine.measure.metrics.calibration's;
 the costs are the engine's per-iteration `IterationRecord.cost` (predicted from the measured cost table beside measured
-seconds).
+seconds), and, where a GPU cost table is shipped for the run's models (engine/measure/gpu_tables.py, assets/gpu/),
+the same trees priced on that GPU, labelled as a prediction with the GPU's name and the table's date.
 """
 from __future__ import annotations
 
+import html
 import math
+import textwrap
 from dataclasses import asdict
 from typing import Any, Sequence
 
@@ -16,6 +19,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.core.trace import RunResult
+from engine.measure.gpu_tables import GpuTable, Prediction, find, predict
 from engine.measure.metrics import DRIFT_TOLERANCE, calibration, cost_drift, drift_off
 from treeviz.html import ar_source_text
 
@@ -176,18 +180,64 @@ def drift_title(run: RunResult) -> str:
     return f"measured ÷ predicted over this run: {ratios}{note}"
 
 
-def cost_figure(run: RunResult | None, ar_run: RunResult | None = None) -> go.Figure:
+NO_GPU_TABLE = ("GPU: no GPU cost table is shipped (assets/gpu/ holds none), so nothing here predicts a GPU; "
+                "`python -m scripts.gpu_check` on a GPU measures one (docs/gpu.md)")
+
+
+def gpu_prediction(run: RunResult, tables: Sequence[GpuTable]) -> tuple[GpuTable | None, Prediction | None]:
+    """The shipped table for the run's models and the run's own trees priced by it (None, None: no table fits)."""
+    table = find(list(tables), run.config.get("target"), run.config.get("draft"))
+    if table is None or not run.iterations:
+        return table, None
+    return table, predict(table, run.iterations)
+
+
+def gpu_note(run: RunResult, tables: Sequence[GpuTable]) -> str:
+    """One plain line: what this run's trees would cost on the GPU of a shipped table (its verify rows and draft
+    forwards from the run's records, priced by the table: a prediction, with the GPU's name and date), or why
+    there is no such line."""
+    if not tables:
+        return NO_GPU_TABLE
+    table, prediction = gpu_prediction(run, tables)
+    if table is None:
+        models = f"{run.config.get('target')} + {run.config.get('draft') or 'no draft'}"
+        return (f"GPU: tables are shipped for {', '.join(t.pair for t in tables)}; none for this run's models "
+                f"({models})")
+    if prediction is None:
+        return f"GPU: {table.label}: no iterations to price yet"
+    text = (f"{table.label} ({table.steps}, {table.dtype}, shapes {table.pair}): these {prediction.iterations} "
+            f"iterations would take {prediction.seconds * 1e3:.1f} ms there for their {prediction.tokens} tokens, "
+            f"{prediction.speedup:.2f}× AR's one-row step ({prediction.ar_seconds * 1e3:.1f} ms for the same tokens)")
+    if table.overhead_s:
+        text += f"; {table.overhead_s * 1e3:.2f} ms of measured overhead per iteration included"
+    if prediction.estimated:
+        text += (f"; {prediction.estimated} iterations have no cost record, their rows are estimated from their "
+                 "trees")
+    return text
+
+
+def cost_figure(run: RunResult | None, ar_run: RunResult | None = None,
+                gpu_tables: Sequence[GpuTable] | None = None) -> go.Figure:
     """Left: verifying n tree nodes in one target forward, and the draft's forwards, against n (measured points,
     the cost table's prediction as a line; AR's one-token step for scale). Right: each iteration's draft + verify
-    seconds, predicted and measured, against the break-even: the time AR takes for the tokens it committed."""
+    seconds, predicted and measured, against the break-even: the time AR takes for the tokens it committed. With
+    `gpu_tables` (the shipped GPU tables, maybe none) the title ends with `gpu_note`, and where a table fits the
+    run, its price of each iteration is a line on the right."""
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, column_widths=[0.45, 0.55], subplot_titles=(
         "verify n nodes, draft n rows in all (ms)", "each iteration: draft + verify vs break-even (ms)"))
-    fig.update_layout(template="plotly_white", height=450, margin={"l": 10, "r": 10, "t": 75, "b": 10},
+    note = "" if gpu_tables is None or run is None else gpu_note(run, gpu_tables)
+    lines = textwrap.wrap(note, 130, break_on_hyphens=False)
+    gpu = "<br>".join(html.escape(line) for line in lines)
+    fig.update_layout(template="plotly_white", height=450 + 16 * len(lines),
+                      margin={"l": 10, "r": 10, "t": 75 + 16 * len(lines), "b": 10},
                       legend={"orientation": "h", "y": -0.18, "font": {"size": 11}})
     rows = cost_rows(run) if run is not None else []
     if not rows:
+        if gpu:
+            fig.update_layout(title={"text": gpu, "font": {"size": 12}, "x": 0.01})
         return _empty(fig, "no cost records in this run (the engine records them when the pair's costs are measured)")
-    fig.update_layout(title={"text": drift_title(run), "font": {"size": 12}, "x": 0.01})
+    fig.update_layout(title={"text": drift_title(run) + (f"<br>{gpu}" if gpu else ""), "font": {"size": 12},
+                             "x": 0.01})
     ms = 1000.0
     verify = sorted(rows, key=lambda r: r["verify_rows"])
     fig.add_trace(go.Scatter(x=[r["verify_rows"] for r in rows], y=[r["measured_verify_s"] * ms for r in rows],
@@ -220,6 +270,12 @@ def cost_figure(run: RunResult | None, ar_run: RunResult | None = None) -> go.Fi
     fig.add_trace(go.Scatter(x=idx, y=[r["measured_s"] * ms for r in rows], mode="lines+markers",
                              name="iteration, measured", line={"color": "#27ae60"},
                              hovertemplate="iteration %{x}: %{y:.1f} ms<extra>measured</extra>"), row=1, col=2)
+    table, prediction = gpu_prediction(run, gpu_tables) if gpu_tables else (None, None)
+    if prediction is not None:
+        fig.add_trace(go.Scatter(
+            x=[it.index for it in run.iterations], y=[s * ms for s in prediction.per_iteration], mode="lines",
+            name=f"iteration, {table.label}", line={"color": "#16a085", "dash": "dot"},
+            hovertemplate="iteration %{x}: %{y:.2f} ms<extra>" + html.escape(table.gpu) + "</extra>"), row=1, col=2)
     if step:
         fig.add_trace(go.Scatter(
             x=idx, y=[r["committed"] * step * ms for r in rows], mode="lines",

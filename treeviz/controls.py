@@ -44,7 +44,7 @@ class ParamControls:
     def build(cls, selected: str) -> "ParamControls":
         out = cls()
         for name, strategy in STRATEGIES.items():
-            values = strategy.preset_values("cpu")
+            values = strategy.preset_values("auto")  # the page opens on auto: it starts from the cpu values
             with gr.Group(visible=(name == selected)) as group:
                 if not strategy.params:
                     gr.Markdown("_No parameters._")
@@ -76,6 +76,6 @@ class ParamControls:
         presets = cls.preset_names()
         rules = verifier_choices(strategy)  # only rules that can check this strategy's trees are offered
         return ([gr.update(value=cls.summary or ""),
-                 gr.update(choices=presets, value="cpu" if "cpu" in presets else presets[0]),
+                 gr.update(choices=presets, value="auto" if "auto" in presets else presets[0]),
                  gr.update(choices=verifier_options(rules), value=verifier if verifier in rules else "auto")]
                 + [gr.update(visible=(s == strategy)) for s in self.groups])

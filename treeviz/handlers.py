@@ -70,7 +70,7 @@ def spec_from_inputs(prompt: str, chat: bool, pair: str, strategy: str, preset: 
         raise gr.Error(f"{', '.join(missing)} needs a value.")
     try:
         return RunSpec(pair=str(pair), prompt=[{"role": "user", "content": prompt}] if chat else prompt,
-                       strategy=strategy, preset=preset or "cpu", params=dict(params or {}),
+                       strategy=strategy, preset=preset or "auto", params=dict(params or {}),
                        max_new_tokens=int(max_new_tokens), temperature=float(temperature or 0.0),
                        top_p=float(top_p), top_k=int(top_k or 0), seed=int(seed or 0),
                        verifier=str(verifier or "auto"))

@@ -176,7 +176,21 @@ def metrics_html(run: RunResult | None, ar_run: RunResult | None = None) -> str:
     body = "".join(f"<div style='display:inline-block;margin:0 14px 4px 0'><div style='font-size:11px;"
                    f"color:#6b7280'>{html.escape(k)}</div><div style='font-size:16px;font-weight:600'>"
                    f"{html.escape(v)}</div></div>" for k, v in cells)
-    return f"<div class='tv-metrics'>{body}</div>"
+    return f"<div class='tv-metrics'>{body}{auto_html(run)}</div>"
+
+
+def auto_html(run: RunResult) -> str:
+    """What the `auto` preset decided last and why (engine/measure/autosize.py): the tree size, or that no tree pays
+    on this machine and it takes AR steps; with the predicted speeds and c, t(n) behind it. Empty for other presets."""
+    last = next((it.cost.auto for it in reversed(run.iterations) if it.cost is not None and it.cost.auto), None)
+    if not last or not last.get("why"):
+        return ""
+    rest = sum(1 for it in run.iterations if it.cost is not None and it.cost.auto and len(it.nodes) <= 2
+               and not it.draft_forwards)
+    head = "auto: AR steps" if last.get("draft") == "none" else f"auto: next tree {last['param']}={last['next']}"
+    tail = f" ({rest} of {len(run.iterations)} iterations were AR steps)" if rest else ""
+    return (f"<div class='tv-auto' style='font-size:12px;color:#4b5563'>{html.escape(head)}: "
+            f"{html.escape(last['why'])}{html.escape(tail)}</div>")
 
 
 SOURCE_NAMES = {"model": "draft", "lookup": "lookup", "both": "draft + lookup"}

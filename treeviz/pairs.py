@@ -2,16 +2,19 @@
 serialises decoding on it. Pair names are engine.session's (`split_pair`); the hub presets are the app's."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import time
 import traceback
 from typing import Any
 
 from engine.capture.packages import missing, prepare_capture
 from engine.core.runtime import cache_dir
 from engine.models import PAIRS, load_pair
-from engine.models.builder import build_request, start_builder
+from engine.models.build_guard import process_rss
+from engine.models.builder import EXIT_DECLINED, build_request, start_builder
 from engine.session import AR, RunSpec, split_pair, start_run
 from treeviz.compute_thread import COMPUTE
 from treeviz.errors import UserError, friendly_error
@@ -27,6 +30,14 @@ HUB_PRESETS = (
 # On a GPU the DynaTree pair is the natural first choice: its 6-layer draft is cheap even when kernel launches
 # dominate a step, and both models fit any Space GPU in bf16.
 GPU_PRESET = HUB_PRESETS[0]
+
+
+MEMORY_CEILING_GIB = 16.0  # the app and its builder together: a 16 GB laptop or CPU Space runs it
+
+
+def memory_ceiling() -> int:
+    """Bytes the app and its builder may hold together: MEMORY_CEILING_GIB, or TREEVIZ_MEMORY_GIB."""
+    return int(float(os.environ.get("TREEVIZ_MEMORY_GIB", MEMORY_CEILING_GIB)) * 2**30)
 
 
 def pair_choices() -> list[str]:
@@ -107,15 +118,18 @@ class PairManager:
                 self.pair, self.loaded_name, self.capture = None, None, ""
         # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration, no warm-up, no capture there.
         zero_gpu = on_zero_gpu()
-        # draft_quant="auto": the draft's int8 / int4 paths where the table measures them faster (CPU only).
+        # Every choice below is this machine's, measured (engine/measure/formats.py, costs.py): draft_quant="auto"
+        # offers the draft's quantised formats, kept where the probe finds them faster; draft_vocab="auto" trims the
+        # draft's head to its frequent tokens where a frequency table exists (engine/models/vocab.py).
         # capture="auto": on a CPU, each model's forwards compiled ahead of time (engine/capture/packages.py), once per
         # machine; until they exist, runs decode eagerly and the packages are built in another process.
         pair = load_pair(target, draft, device=device, progress=progress, calibrate=not zero_gpu,
-                         draft_quant="auto", capture="off" if zero_gpu else self.capture_mode)
+                         draft_quant="auto", draft_vocab="auto", capture="off" if zero_gpu else self.capture_mode)
         todo = missing(pair)
         if pair.capture == "aoti" and not todo:  # built on an earlier start: load them now, before any run
             progress(1.0, "loading the captured steps (compiled on an earlier start)…")
-            prepare_capture(pair, progress)
+            prepare_capture(pair, progress, build_missing=False)
+            log.info("captured steps serving: %s", pair.describe_capture())
         if not zero_gpu:
             progress(1.0, "warming up (so the first measured run is not penalised)…")
             warm_up(name, pair)
@@ -131,8 +145,10 @@ class PairManager:
 
     def build_captured(self, name: str, gen: int, pair, target: str, draft: str | None, todo: dict) -> None:
         """Compile the pair's missing captured steps in another process (so this one keeps serving eager runs on its
-        compute thread), then load and measure them on the compute thread between runs (the pair's run lock held:
-        a measurement needs a quiet machine). A failure leaves the pair eager, with the reason on the page."""
+        compute thread; engine/models/builder.py: one build at a time, within the memory left, ending with this
+        process), showing its state on the page; then load and measure them on the compute thread between runs (the
+        pair's run lock held: a measurement needs a quiet machine). A failure or a declined package leaves those
+        rows eager, with the reason on the page; nothing is ever compiled in this process."""
         count = sum(len(r) for r in todo.values())
         self._set_capture(gen, f"compiling {count} captured step(s) in the background (once per machine, a few "
                                "minutes); runs decode eagerly until then")
@@ -140,20 +156,38 @@ class PairManager:
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "w") as log_file:
-                builder = start_builder(build_request(pair, target, draft, todo, draft_quant="auto"), log_file)
-                code = builder.wait()
-            if code != 0:
-                raise RuntimeError(f"the builder exited with {code}; its log: {log_path}")
+                budget = max(memory_ceiling() - process_rss(), 0)  # the plan: app + builder within the ceiling
+                builder = start_builder(build_request(pair, target, draft, todo, draft_vocab="auto",
+                                                      budget_bytes=budget), log_file)
+                atexit.register(builder.stop)
+                try:
+                    while builder.poll() is None:
+                        message = builder.status().get("message")
+                        if message:  # the builder's own words: what it compiles, or waits for, and why
+                            self._set_capture(gen, f"{message}; runs decode eagerly until then")
+                        if gen != self._generation:
+                            builder.stop()  # another pair was asked for: its packages can wait
+                        time.sleep(2.0)
+                finally:
+                    atexit.unregister(builder.stop)
+            code, status = builder.wait(), builder.status()
+            if code not in (0, EXIT_DECLINED):
+                raise RuntimeError(f"the builder exited with {code} ({status.get('message', '')}); its log: "
+                                   f"{log_path}")
             with self.run_lock:
                 if gen != self._generation:
                     return
                 self._set_capture(gen, "loading and measuring the captured steps…")
-                COMPUTE.call(prepare_capture, pair)
+                COMPUTE.call(prepare_capture, pair, None, False, True, False)
+            declined = "; ".join(f"{d['package']}: {d['reason']}" for d in status.get("declined", []))
+            log.info("captured steps serving: %s%s", pair.describe_capture(), f" (declined: {declined})" if declined
+                     else "")
             with self._cond:
                 if gen == self._generation:
-                    self.description, self.capture = pair.describe(), ""
+                    self.description, self.capture = pair.describe(), (f"some captured steps were not built: "
+                                                                       f"{declined}" if declined else "")
         except Exception as err:  # noqa: BLE001 - the pair stays usable, eagerly
-            log.warning("building the captured steps of %s failed:\n%s", name, traceback.format_exc())
+            log.warning("captured steps unavailable for %s:\n%s", name, traceback.format_exc())
             self._set_capture(gen, f"captured steps unavailable, runs stay eager ({friendly_error(err, 'load')})")
 
     def _set_capture(self, gen: int, text: str) -> None:

@@ -36,6 +36,7 @@ def _summary(path: Path) -> dict:
             temperature = (config.get("sampling") or {}).get("temperature") or 0
             _SUMMARIES[key] = {"tiny": target.startswith("tiny"), "speedup": comparison.get("speedup_vs_ar"),
                                "strategy": data.get("strategy"), "target": target, "temperature": temperature,
+                               "machine": config.get("machine"),
                                # a sampled run is not expected to equal AR's output; a greedy one is
                                "diverged": temperature == 0 and comparison.get("exact_match") is False}
         except (OSError, ValueError, AttributeError):
@@ -47,14 +48,16 @@ _SUMMARIES: dict[tuple, dict] = {}
 
 
 def gallery_label(path: Path) -> str:
-    """e.g. "code: dynatree (cpu) · 2.31× vs AR · Qwen2.5-Coder-1.5B-Instruct" from a make_gallery file
-    (pair_kind_strategy_preset.json) and the speedup recorded in it."""
+    """e.g. "code: dynatree (cpu) · 2.31× vs AR on Intel Xeon, 2 cores, AMX · Qwen2.5-Coder-1.5B-Instruct" from a
+    make_gallery file (pair_kind_strategy_preset.json), the speedup recorded in it and the machine it names."""
     info = _summary(path)
     parts = path.stem.rsplit("_", 3)
     head = f"{parts[1]}: {parts[2]} ({parts[3]})" if len(parts) == 4 else path.stem.replace("_", " ")
     if info["temperature"]:
         head += f" at T={info['temperature']:g}"
     speedup = f" · {info['speedup']:.2f}× vs AR" if info["speedup"] else ""
+    if speedup:  # a speed belongs to the machine it was measured on, which may be nothing like this one
+        speedup += f" on {info.get('machine') or 'a machine it does not name'}"
     return f"{head}{speedup} · {info['target'].split('/')[-1]}"
 
 

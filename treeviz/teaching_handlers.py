@@ -42,7 +42,7 @@ SWEEP_TOKEN_BUDGET = 4096
 
 # -- the race --------------------------------------------------------------------------------------------------------
 def race_lanes(spec: RunSpec, strategies: list[str] | None) -> list[tuple[str, RunSpec]]:
-    """(label, spec) per lane, AR first: each ticked strategy ("name" or "name@preset", cpu preset by default) on
+    """(label, spec) per lane, AR first: each ticked strategy ("name" or "name@preset", auto preset by default) on
     `spec`'s prompt and settings; gr.Error with a plain message for an unknown or unusable one."""
     if isinstance(strategies, str):
         strategies = [strategies]
@@ -73,7 +73,7 @@ def _checked(spec: RunSpec) -> None:
 def race(prompt: str, chat: bool, pair: str, strategies: list[str], max_new_tokens: float, temperature: float,
          top_p: float, top_k: float, seed: float, verifier: str, request: gr.Request) -> Iterator[tuple]:
     """AR and each strategy decoded unobserved on the prompt, then the race figure and its summary."""
-    spec = spec_from_inputs(prompt, chat, pair, AR, "cpu", max_new_tokens, temperature, top_p, top_k, seed,
+    spec = spec_from_inputs(prompt, chat, pair, AR, "auto", max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, {})
     lanes = race_lanes(spec, strategies)
     session = BACKEND.open(browser_of(request), "race")

@@ -42,7 +42,9 @@ def default_sweep() -> tuple[dict | None, str]:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             if isinstance(data, dict) and data.get("points"):
-                return data, f"precomputed sweep ({path.stem}): press Sweep to measure one on this machine"
+                where = data.get("machine") or "a machine it does not name"
+                return data, (f"precomputed sweep ({path.stem}), measured on {where}: press Sweep to measure one "
+                              "on this machine")
         except (OSError, ValueError) as err:
             log.info("skipping precomputed sweep %s: %s", path, err)
     return None, "Set a range (blank: the default) and press Sweep."
@@ -71,7 +73,7 @@ def race_tab(page: Page) -> None:
             # a multiselect that takes typed values too: "dynatree@paper" races another preset
             page.race_strategies = gr.Dropdown(methods, value=list(teaching_handlers.DEFAULT_RACE), multiselect=True,
                                                allow_custom_value=True, scale=4, elem_id="tv-race-strategies",
-                                               label="Strategies to race against AR (cpu preset each; type "
+                                               label="Strategies to race against AR (auto preset each: sized by this machine's costs; type "
                                                    "name@preset for another preset)")
             page.race_btn = gr.Button("Race", variant="primary", scale=1, elem_id="tv-race-btn")
         page.race_status = gr.HTML(status_html(RACE_HINT), elem_id="tv-race-status")

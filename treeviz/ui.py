@@ -124,7 +124,7 @@ def _sampling(page: Page) -> None:
 
 def _strategy_params(page: Page) -> None:
     with gr.Accordion("Strategy parameters", open=True):
-        page.preset = gr.Dropdown(STRATEGIES[DEFAULT_STRATEGY].preset_names(), value="cpu", label="preset",
+        page.preset = gr.Dropdown(STRATEGIES[DEFAULT_STRATEGY].preset_names(), value="auto", label="preset",
                                   info="cpu: tuned for a 2-core CPU; paper: the paper's values; "
                                      "auto: sized every iteration from this machine's measured costs")
         page.controls = ParamControls.build(DEFAULT_STRATEGY)
@@ -169,7 +169,7 @@ def _tabs(page: Page) -> None:
             methods = [s for s in STRATEGIES if s != "ar"]
             page.compare_methods = gr.CheckboxGroup(
                 methods, value=methods[:4], elem_id="tv-compare-methods",
-                label="Strategies to compare with AR (each with its cpu preset; the selected strategy with your "
+                label="Strategies to compare with AR (each with its auto preset; the selected strategy with your "
                       "slider values)")
             page.compare_table = gr.Dataframe(label="Same prompt, same session", interactive=False,
                                               elem_id="tv-compare-table")

@@ -15,6 +15,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from engine.core.trace import RunResult
+from engine.measure import gpu_tables
 from treeviz.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
 from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
 from treeviz.html import badge_html, metrics_html, metrics_rows, tokens_html
@@ -77,7 +78,7 @@ def baseline_views(run: RunResult, ar_run: RunResult | None) -> dict[str, Any]:
     """The views that change when AR's measurement arrives: metrics row, throughput bars, badge, costs."""
     return {"metrics": metrics_html(run, ar_run), "throughput": throughput_figure(run, ar_run),
             "badge": badge_html(run.comparison, sampled=bool(run.config.get("sampling", {}).get("temperature"))),
-            "costs": cost_figure(run, ar_run)}
+            "costs": cost_figure(run, ar_run, gpu_tables.shipped())}
 
 
 def inspector_views(run: RunResult | None, index: int | None, node: Any) -> dict[str, Any]:

@@ -162,7 +162,8 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
                        "threads": torch.get_num_threads(), "draft_vocab": pair.draft_vocab,
                        "compiled_ar_compile_s": sum(compiled.compile_s.values()) if compiled else None,
                        "compiled_ar_cache_sizes": sorted(compiled.compile_s) if compiled else None,
-                       "draft_quant": pair.draft_quant, "routing": pair.routing(), "costs": costs},
+                       "draft_quant": pair.draft_quant, "formats": {r: c.kept for r, c in pair.formats.items()},
+                       "memory_notes": pair.memory_notes, "routing": pair.routing(), "costs": costs},
             "rows": rows}
 
 
@@ -173,7 +174,7 @@ def compiled_baseline(pair: ModelPair, methods: list[str], mode: str, sets: list
         raise ValueError(f"compiled_ar must be one of {', '.join(COMPILED_AR_MODES)}, got {mode!r}")
     if (mode == "off" or (mode == "auto" and has_captured_step(pair))) and AR_COMPILED not in methods:
         return None  # auto: the captured one-row step is the same recipe, compiled ahead of time
-    reason = compile_available(pair.device)
+    reason = compile_available(pair.device, pair.target)
     if reason:
         if mode == "auto":
             log(f"ar-compiled left out: {reason}")

@@ -1,21 +1,25 @@
 """A model's forward at fixed shapes, compiled ahead of time by AOTInductor and kept on disk: the CPU's captured step.
 
-    seconds = build(model, Recipe(rows=1, path="plain"), file)   # once per machine: torch.export + AOTInductor
-    runner = load(file)                                           # every later process: seconds
+    recipe = Recipe(rows=1, path="plain")                       # every linear on its plain weight; `groups` overrides
+    seconds = build(model, recipe, file, standin_tensors(model, recipe.formats()))   # once per machine
+    runner = load(file, format_tensors(model, recipe.formats()))                     # every later process
     logits, hidden = runner(embeds, positions, mask, start, keys, values)
 
 One package is one forward of the model over a preallocated KV cache given as tensors (`keys`, `values`: one
 [1, kv_heads, L, head_dim] pair per layer, written in place from `start`), for `rows` query rows (a static count, or
 any count in a range with `dynamic=True`); the cache length L is dynamic, so one package serves caches of every
-length. The embedding lookup stays outside (a gather; keeping it out keeps the table out of the package). Weights are
-frozen into the package and inductor picks its own GEMM per weight shape (`max_autotune`), the way the compiled AR
-step does: on a 2-core CPU that is what makes a one-row step faster than oneDNN's packed path
-(docs/experiments/2026-11-25-captured-steps.md).
+length. The embedding lookup stays outside (a gather; keeping it out keeps the table out of the package).
 
-Why AOTInductor rather than torch.compile: a torch.compile graph with frozen, re-packed weights bypasses inductor's
-disk cache, so every process would compile again (minutes per graph); a package is compiled once per machine and
-loads in seconds. Packages are keyed by the model's identity, the recipe, torch's version and the CPU
-(`package_key`) and live under cache_dir()/captured.
+The linear weights are the package's inputs, not its constants: every linear calls its format's kernel through the
+opaque `treeviz::linear` (engine/core/kernels.py), handed the model's own tensors on every call. So a package holds
+no copy of the weights -- all packages of a model share the one resident copy, and a package per row-count range
+costs disk and seconds, not gigabytes -- and it is traced with one-element stand-ins, so building one needs neither
+the weights' formats nor their memory. The compiler fuses what lies between the GEMMs (norms, rotary, attention,
+activations), and a step pays no Python per layer.
+
+Why AOTInductor rather than torch.compile: a package is compiled once per machine and loads in seconds in every
+later process. Packages are keyed by the model's identity, the recipe, torch's version and the CPU (`package_key`)
+and live under cache_dir()/captured.
 """
 from __future__ import annotations
 
@@ -34,10 +38,10 @@ from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
 
 from engine.core.attention import compiled_attention
-from engine.core.kernels import forcing, routed_linears
-from engine.core.runtime import cache_dir
+from engine.core.kernels import bound_tensors, opaque_linears, page_out, routed_linears
+from engine.core.runtime import cache_dir, model_device
 
-FORMAT = 1  # bump when a package's inputs or outputs change meaning
+FORMAT = 5  # bump when a package's inputs or outputs change meaning (4: weights are inputs; 5: plain opaque too)
 MAX_ROWS = 64  # the largest dynamic row count a package is exported for
 
 
@@ -47,12 +51,13 @@ class CaptureError(RuntimeError):
 
 @dataclass(frozen=True)
 class Recipe:
-    """What one package computes: `rows` query rows (exactly, or any count in rows..hi when `hi` is set) with the
-    linears on kernel path `path` (engine/core/kernels.py; "packed" is never used inside: inductor packs plain weights
-    itself)."""
+    """What one package computes: `rows` query rows (exactly, or any count in rows..hi when `hi` is set) with every
+    linear on weight format `path` (engine/core/kernels.py) but those of the shape groups in `groups`, which take
+    the format paired with them (the routing of a model whose groups differ: an LM head that stays plain)."""
     rows: int
     path: str = "plain"
     hi: int | None = None  # dynamic row count: rows..hi
+    groups: tuple[tuple[str, str], ...] = ()
 
     @property
     def dynamic(self) -> bool:
@@ -61,9 +66,14 @@ class Recipe:
     def covers(self, n: int) -> bool:
         return self.rows <= n <= (self.hi if self.hi is not None else self.rows)
 
+    def formats(self) -> dict[str, str]:
+        """{group: format} with "*" for every other group (kernels.assigned)."""
+        return {"*": self.path, **dict(self.groups)}
+
     def describe(self) -> str:
         span = f"{self.rows}-{self.hi} rows" if self.dynamic else f"{self.rows} row{'s' if self.rows > 1 else ''}"
-        return f"{span} {self.path}"
+        others = ", ".join(f"{g.rsplit('.', 1)[-1]} {p}" for g, p in self.groups)
+        return f"{span} {self.path}" + (f" ({others})" if others else "")
 
 
 def compiler_missing() -> str | None:
@@ -96,60 +106,94 @@ def bound_cache(keys: list[torch.Tensor], values: list[torch.Tensor], start: tor
 
 class Step(nn.Module):
     """The forward a package holds: (logits [rows, V], final-norm hidden states [rows, H]) of `rows` embedded rows
-    at `positions` under the additive `mask` [1, 1, rows, L], the cache written in place."""
+    at `positions` under the additive `mask` [1, 1, rows, L], the cache written in place, every linear on the format
+    `formats` gives its group, reading its tensors from `weights` (kernels.format_tensors's order)."""
 
-    def __init__(self, model):
+    def __init__(self, model, formats: dict[str, str]):
         super().__init__()
-        self.model = model
+        self.model, self.formats = model, formats
 
-    def forward(self, embeds, positions, mask, start, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        out = self.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
-                         past_key_values=bound_cache(keys, values, start), use_cache=True, output_hidden_states=True)
+    def forward(self, embeds, positions, mask, start, keys: list[torch.Tensor], values: list[torch.Tensor],
+                weights: list[torch.Tensor]):
+        with bound_tensors(self.model, self.formats, weights):
+            out = self.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
+                             past_key_values=bound_cache(keys, values, start), use_cache=True,
+                             output_hidden_states=True)
         return out.logits[0], out.hidden_states[-1][0]
 
 
 @contextmanager
-def path_only(model, path: str):
-    """Every routed linear takes `path`, and the buffers of its other paths are out of sight, so export neither reads
-    nor freezes them (a packed oneDNN weight cannot even be copied by strides)."""
-    keep = {"plain": (), "packed": ("packed_",), "int8": ("int8_",), "int4": ("int4_",)}[path]
-    hidden = []
+def weights_out_of_sight(model):
+    """Inside the block the linears' own weights (plain Parameters and every format's buffers) and the input
+    embedding are swapped for empty stand-ins: the package reads its weights from its inputs and takes no
+    embedding, so export must neither lift nor freeze them (they would be copied into the package, and a packed
+    oneDNN or MKL tensor cannot even be copied by strides)."""
+    empty = nn.Parameter(torch.empty(0, dtype=model.dtype), requires_grad=False)
+    saved = []
     for layer in routed_linears(model):
-        for name in [b for b in layer._buffers if not b.startswith(keep)] if keep else list(layer._buffers):
-            hidden.append((layer, name, layer._buffers.pop(name)))
+        saved.append((layer._parameters, "weight", layer._parameters["weight"]))
+        layer._parameters["weight"] = empty
+        for name in list(layer._buffers):
+            saved.append((layer._buffers, name, layer._buffers.pop(name)))
+    embedding = model.get_input_embeddings()
+    embedding = getattr(embedding, "embedding", embedding)  # a wrapped embedding (engine/models/widths.py)
+    saved.append((embedding._parameters, "weight", embedding._parameters["weight"]))
+    embedding._parameters["weight"] = empty
     try:
-        with forcing(model, path):
-            yield
+        yield
     finally:
-        for layer, name, buffer in hidden:
-            layer._buffers[name] = buffer
+        for slots, name, value in reversed(saved):
+            slots[name] = value
 
 
 def example_inputs(model, rows: int, length: int = 64):
-    """Inputs of the right kinds for export: `rows` rows over a zero cache of `length` positions."""
-    from transformers import StaticCache
-    device, dtype = next(model.parameters()).device, model.dtype
-    cache = StaticCache(config=model.config, max_cache_len=length)
-    with torch.inference_mode():  # one forward allocates the cache's tensors
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
-    hidden = model.config.get_text_config().hidden_size
-    embeds = torch.zeros(1, rows, hidden, dtype=dtype, device=device)
+    """Inputs of the right kinds for export: `rows` rows over a zero cache of `length` positions, one key and one
+    value tensor per layer shaped as transformers' static cache shapes them (made here, so no forward runs: the
+    weights may be gone, `release_weights`)."""
+    device, dtype = model_device(model), model.dtype
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = [torch.zeros(1, heads, length, head_dim, dtype=dtype, device=device)
+             for _ in range(config.num_hidden_layers)]
+    embeds = torch.zeros(1, rows, config.hidden_size, dtype=dtype, device=device)
     positions = torch.arange(rows, device=device)[None]
     mask = torch.zeros(1, 1, rows, length, dtype=dtype, device=device)
     start = torch.zeros((), dtype=torch.long, device=device)
-    return (embeds, positions, mask, start, [l.keys for l in cache.layers], [l.values for l in cache.layers])
+    return (embeds, positions, mask, start, cache, [t.clone() for t in cache])
 
 
-def export_step(model, recipe: Recipe):
-    """torch.export of `Step(model)` for `recipe`: the cache length always dynamic, the row count when asked."""
-    args = example_inputs(model, recipe.hi if recipe.dynamic else recipe.rows)  # a boundary value would specialise
+def release_weights(model) -> None:
+    """Free every linear's plain weight and the input embedding (shapeless stand-ins on `meta` keep their shapes):
+    a package is traced with stand-ins and takes no embedding, so a process that only builds packages needs neither
+    (the fp32 default pair's 8 GB)."""
+    for layer in routed_linears(model):
+        layer._parameters["weight"] = _meta_like(layer._parameters["weight"])
+    embedding = model.get_input_embeddings()
+    embedding = getattr(embedding, "embedding", embedding)  # a wrapped embedding (engine/models/widths.py)
+    embedding._parameters["weight"] = _meta_like(embedding._parameters["weight"])
+
+
+def _meta_like(param: torch.Tensor) -> nn.Parameter:
+    page_out(param)  # a checkpoint's mapped pages stay resident after the tensor is gone (kernels.page_out)
+    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+
+
+
+def export_step(model, recipe: Recipe, weights: list[torch.Tensor]):
+    """torch.export of `Step(model, recipe.formats())` for `recipe`, traced with `weights` (stand-ins are enough:
+    kernels.standin_tensors): the cache length always dynamic, the row count when asked."""
+    rows_hint = recipe.hi if recipe.dynamic else recipe.rows  # a boundary value would specialise
+    args = (*example_inputs(model, rows_hint), weights)
     length = torch.export.Dim("length", min=16, max=1 << 17)
     rows = torch.export.Dim("rows", min=recipe.rows, max=recipe.hi) if recipe.dynamic else None
     by_rows = {1: rows} if rows is not None else {}
     shapes = (by_rows, by_rows, {**({2: rows} if rows is not None else {}), 3: length}, {},
-              [{2: length}] * len(args[4]), [{2: length}] * len(args[5]))
-    with torch.inference_mode(), path_only(model, recipe.path), compiled_attention(model):
-        return torch.export.export(Step(model).eval(), args, dynamic_shapes=shapes, strict=False)
+              [{2: length}] * len(args[4]), [{2: length}] * len(args[5]), [{}] * len(weights))
+    with torch.inference_mode(), opaque_linears(), compiled_attention(model):
+        step = Step(model, recipe.formats()).eval()
+        with weights_out_of_sight(model):
+            return torch.export.export(step, args, dynamic_shapes=shapes, strict=False)
 
 
 # -- packages on disk -------------------------------------------------------------------------------------------------
@@ -164,27 +208,28 @@ def package_file(key: dict) -> Path:
     return cache_dir() / "captured" / f"{digest}.pt2"
 
 
-def build(model, recipe: Recipe, file: Path) -> float:
-    """Export and compile `recipe` of `model` into `file` (written whole or not at all); returns the seconds."""
+def build(model, recipe: Recipe, file: Path, weights: list[torch.Tensor]) -> float:
+    """Export and compile `recipe` of `model`, traced with `weights` (stand-ins will do), into `file` (written whole
+    or not at all); returns the seconds."""
     reason = compiler_missing()
     if reason:
         raise CaptureError(reason)
     start = time.perf_counter()
-    program = export_step(model, recipe)
+    program = export_step(model, recipe, weights)
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(f".tmp-{os.getpid()}-{file.name}")
     try:
         with torch.inference_mode():  # the example cache was made there: compiling updates it in place
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(tmp), inductor_configs={"max_autotune": True, "freezing": True})
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
         os.replace(tmp, file)
     finally:
         tmp.unlink(missing_ok=True)
     return time.perf_counter() - start
 
 
-def load(file: Path):
-    """The package's runner: call it as Step.forward.
+def load(file: Path, weights: list[torch.Tensor]):
+    """The package's runner, bound to the model's `weights` (kernels.format_tensors of its recipe's formats): call
+    it as Step.forward without them.
 
     torch unpacks a package into a temporary folder that it removes only when the runner is collected, which never
     happens in a process that exits or is killed with the runner alive: every start of the app would leave 6 GB
@@ -193,7 +238,7 @@ def load(file: Path):
     tempfile.gettempdir()  # fix Python's own temporary folder before TMPDIR points elsewhere for a moment
     with tempfile.TemporaryDirectory(prefix="treeviz-aoti-") as folder, patch.dict(os.environ, {"TMPDIR": folder}):
         runner = torch._inductor.aoti_load_package(str(file))  # the C++ loader unpacks under $TMPDIR
-    return lambda *args: runner(*args)
+    return lambda *args: runner(*args, weights)
 
 
 def write_meta(file: Path, key: dict, compile_s: float) -> None:

@@ -29,7 +29,7 @@ import time
 import torch
 
 from engine.core.attention import compiled_attention
-from engine.core.kernels import forcing
+from engine.core.kernels import forcing, routed_linears
 from engine.core.runtime import synchronize
 from engine.core.sampling import Sampling
 
@@ -40,10 +40,14 @@ class CompileError(RuntimeError):
     """torch.compile cannot run here (no C++ compiler, an unsupported device) or the prompt does not fit."""
 
 
-def compile_available(device: torch.device) -> str | None:
-    """None if a compiled CPU step can be built here, else why not."""
+def compile_available(device: torch.device, model=None) -> str | None:
+    """None if a compiled CPU step of `model` can be built here, else why not. It traces the plain weights, so a
+    model whose plain weights a packed format replaced (engine/measure/formats.py) cannot take it."""
     if device.type != "cpu":
         return f"the compiled AR baseline is CPU-only here (device {device.type}); CUDA graphs are a separate issue"
+    if model is not None and any("plain" not in layer.paths for layer in routed_linears(model)):
+        return ("the target keeps only a packed weight format (its plain weights were freed); --packed off keeps "
+                "them, and the captured one-row step is AR at its fastest here")
     try:
         from torch._inductor import cpp_builder
         cpp_builder.get_cpp_compiler()
@@ -64,7 +68,7 @@ class CompiledAR:
         import torch._inductor.config as inductor_config
         self.model, self.cache_step = model, int(cache_step)
         self.device = next(model.parameters()).device
-        reason = compile_available(self.device)
+        reason = compile_available(self.device, model)
         if reason:
             raise CompileError(reason)
         # Frozen weights are constants to inductor: it picks its GEMM per weight and packs it once. (A process-wide

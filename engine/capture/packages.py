@@ -5,17 +5,16 @@
 
 The switch (`capture`: auto | on | off) belongs to the pair:
   CPU   packages compiled ahead of time by AOTInductor (engine/capture/aoti.py), where a C++ compiler exists;
-  CUDA  one CUDA graph per row-count bucket (engine/core/cuda_graphs.py), but only with `on`: the graphed path has not
-        been validated on a GPU yet (docs/gpu.md), so `auto` leaves a GPU eager.
+  CUDA  one CUDA graph per row-count bucket (engine/core/cuda_graphs.py), with `auto` too: on an H100 every strategy
+        decoded the same tokens graphed and eager, and AR's (docs/gpu.md, the GPU check of 2026-11-26).
 
-What each CPU model gets (`plan`): a static package per power-of-two bucket up to the largest row count its routing
-sends to a weight-only quantised path (inductor specialises those kernels per row count; one package for a range of
-row counts measured up to 1.4x slower there), the one-row package always (AR's step, and the draft's most frequent
-forward); the target also one package for every row count from there to the top rung, with the row count dynamic
-(verifying a tree: its size changes every iteration; one package holds one copy of the weights). Rows no package
-covers (the draft's first forward over the prompt, a prefill) run eagerly. Every package is then timed against the
-eager path at each rung of the cost ladder, and a row count is served by it only where it measured faster
-(`serves`, kept in the cost table, which thereby prices the path the run takes).
+What each CPU model gets (`plan`): per span of row counts its routing sends to one weight format, a package for that
+span -- static for one row (AR's step, and the draft's most frequent forward), the row count dynamic for the rest
+(a tree's size changes every iteration; the GEMMs are the formats' own kernels, which take any row count). A
+package holds no weights (engine/capture/aoti.py), so these cost disk and compile seconds, not memory. Rows no
+package covers (a prefill, the draft's first forward over the prompt) run eagerly. Every package is then timed
+against the eager path at each rung of the cost ladder, and a row count is served by it only where it measured
+faster (`serves`, kept in the cost table, which thereby prices the path the run takes).
 """
 from __future__ import annotations
 
@@ -28,15 +27,15 @@ import torch
 
 from engine.capture.aoti import (MAX_ROWS, Recipe, build, compiler_missing, load, package_file,
                                  package_key, read_meta, write_meta)
-from engine.core.kernels import INT4_GROUP, available_memory, linear_bytes, router_of
-from engine.core.runtime import synchronize
+from engine.core.kernels import (INT4_GROUP, assigned, format_tensors, route_linears, routed_linears, router_of,
+                                 standin_tensors)
+from engine.core.runtime import model_device, synchronize
 from engine.core.steps import LADDER, StaticSteps, graph_capacity
 from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, machine_load, model_identity, probe_ids,
                                   read_cached, spans, table_file, table_key, write_json)
 
 MODES = ("auto", "on", "off")
-QUANTISED = ("int4", "int8")
-_HEADROOM = 2 << 30  # memory to leave free after loading a package that holds its own copy of the weights
+DRAFT_TOP = 32  # the draft's largest captured forward (a batched level of a wide tree); the target's is MAX_ROWS
 
 
 class CaptureUnavailable(RuntimeError):
@@ -49,8 +48,8 @@ def capture_backend(mode: str, device: torch.device) -> str | None:
         raise ValueError(f"capture must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "off":
         return None
-    if device.type == "cuda":
-        return "cuda-graphs" if mode == "on" else None
+    if device.type == "cuda":  # graphs = eager = AR token for token on an H100 (docs/gpu.md): on by default
+        return "cuda-graphs"
     if device.type != "cpu":
         if mode == "on":
             raise CaptureUnavailable(f"captured steps run on CPU (AOTInductor) or CUDA (graphs), not {device.type}")
@@ -61,26 +60,36 @@ def capture_backend(mode: str, device: torch.device) -> str | None:
     return None if reason else "aoti"
 
 
-def plan(model, role: str, top: int = MAX_ROWS) -> list[Recipe]:
-    """The packages `model` gets (module docstring): static buckets over its quantised row counts, one row always, and
-    for the target a dynamic range above them."""
+def plan(model, role: str, top: int | None = None) -> list[Recipe]:
+    """The packages `model` gets (module docstring): per span of rows on which every shape group keeps one format,
+    one row static and the rest of the span dynamic."""
+    top = top or (MAX_ROWS if role == "target" else DRAFT_TOP)
     router = router_of(model)
-    path_at = (lambda rows: "plain") if router is None else router.path
-    quantised = [r for r in range(1, top + 1) if path_at(r) in QUANTISED]
-    buckets, b = [1], 2
-    while quantised and b // 2 < max(quantised):
-        buckets.append(b)
-        b *= 2
-    # a bucket serves the row counts above the one below it: its path is the routing of the first of them (where the
-    # eager paths trade places inside a bucket, the quantised kernel compiled for the bucket measured faster)
-    recipes = [Recipe(rows, _inside(path_at(rows // 2 + 1))) for rows in buckets]
-    if role == "target" and buckets[-1] < top:
-        recipes.append(Recipe(buckets[-1] + 1, "plain", hi=top))
+    groups = sorted({layer.group for layer in routed_linears(model)})
+
+    def formats_at(rows: int) -> tuple[tuple[str, str], ...]:
+        return tuple((g, router.path(rows, g) if router is not None else "plain") for g in groups)
+    recipes, lo = [], 1
+    for rows in range(1, top + 1):
+        if rows == top or formats_at(rows + 1) != formats_at(rows):
+            recipes += _span(lo, rows, formats_at(lo))
+            lo = rows + 1
     return recipes
 
 
-def _inside(path: str) -> str:
-    return "plain" if path == "packed" else path  # inductor packs plain weights itself
+def _span(lo: int, hi: int, formats: tuple[tuple[str, str], ...]) -> list[Recipe]:
+    """Packages for rows lo..hi on one assignment of formats: one row static, two or more dynamic (an export needs
+    two at least). The format most groups take is the recipe's `path`; the others are named per group."""
+    names = [p for _, p in formats] or ["plain"]
+    path = max(set(names), key=names.count)
+    groups = tuple((g, p) for g, p in formats if p != path)
+    out = [Recipe(1, path, groups=groups)] if lo == 1 else []
+    lo = max(lo, 2)
+    if lo == hi:
+        out.append(Recipe(lo, path, groups=groups))
+    elif lo < hi:
+        out.append(Recipe(lo, path, hi=hi, groups=groups))
+    return out
 
 
 @dataclass
@@ -133,16 +142,25 @@ class CapturedModel:
 
 
 def recipe_key(model, name: str, recipe: Recipe) -> dict:
-    """What a package is keyed by: the model (identity and a weight fingerprint: the weights are frozen in), its
-    dtype, the recipe (with the int4 grouping when it is int4), torch and the machine."""
-    device = next(model.parameters()).device
-    extra = {"int4_group": INT4_GROUP} if recipe.path == "int4" else {}
-    return {**package_key(model_identity(model, name), model.dtype, recipe, machine(device)),
-            "weights": weights_fingerprint(model), **extra}
+    """What a package is keyed by: the model (identity, and a weight fingerprint: its norms and biases are frozen
+    in), its dtype, the recipe (with the int4 grouping when it is int4), the weight inputs it takes (each linear's
+    format), torch and the machine (not its thread count: a package runs on any)."""
+    device = model_device(model)
+    extra = {"int4_group": INT4_GROUP} if "int4" in recipe.formats().values() else {}
+    route_linears(model)
+    inputs = hashlib.sha256(str([(layer.group, path) for layer, path in assigned(model, recipe.formats())])
+                            .encode()).hexdigest()[:12]
+    compiled_for = {k: v for k, v in machine(device).items() if k != "threads"}  # threads are chosen at run time
+    return {**package_key(model_identity(model, name), model.dtype, recipe, compiled_for),
+            "weights": weights_fingerprint(model), "inputs": inputs, **extra}
 
 
 def weights_fingerprint(model) -> str:
-    """A digest of a strided sample of every parameter: a retrained checkpoint of the same shape gets new packages."""
+    """A digest of a strided sample of every parameter: a retrained checkpoint of the same shape gets new packages.
+    Taken once, when the model is loaded (`remember_fingerprint`), before a format replaces a plain weight."""
+    stored = getattr(model, "treeviz_fingerprint", None)
+    if stored is not None:
+        return stored
     digest = hashlib.sha256()
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
@@ -152,27 +170,29 @@ def weights_fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def prepare_model(model, name: str, role: str, progress=None) -> CapturedModel:
-    """Build (where missing) and load every package of `plan(model, role)`; a package that does not fit in memory,
-    or that inductor cannot build, is left out with a note (those rows stay eager)."""
+def remember_fingerprint(model) -> None:
+    model.treeviz_fingerprint = weights_fingerprint(model)
+
+
+def prepare_model(model, name: str, role: str, progress=None, build_missing: bool = True) -> CapturedModel:
+    """Build (where missing, if `build_missing`) and load every package of `plan(model, role)`, each bound to the
+    model's own tensors of its format; a package that inductor cannot build, or that is missing where building is
+    not this process's business (the app's: its builder declined it, engine/models/builder.py), is left out with a
+    note (those rows stay eager)."""
     say = progress or (lambda fraction, message: None)
+    route_linears(model)  # every linear opaque to the compiler: a plain nn.Linear's weight would be frozen in
     recipes, loaded, notes = plan(model, role), [], []
     for i, recipe in enumerate(recipes):
         key = recipe_key(model, name, recipe)
         file = package_file(key)
-        own_copy = recipe.path == "plain"
-        if own_copy:
-            need, free = linear_bytes(model), available_memory()
-            if free is not None and free < need + _HEADROOM:
-                notes.append(f"{recipe.describe()}: left eager, its package needs {need / 2**30:.1f} GiB of memory "
-                             f"and {free / 2**30:.1f} GiB is free")
-                continue
         compile_s = None
+        if not file.is_file() and not build_missing:
+            notes.append(f"{recipe.describe()}: left eager, not built (see the builder's status)")
+            continue
         if not file.is_file():
-            say(i / len(recipes), f"compiling the {role}'s captured step for {recipe.describe()} (once per machine: "
-                                  "a minute or two)")
+            say(i / len(recipes), f"compiling the {role}'s captured step for {recipe.describe()} (once per machine)")
             try:
-                compile_s = build(model, recipe, file)
+                compile_s = build(model, recipe, file, standin_tensors(model, recipe.formats()))
             except Exception as err:  # noqa: BLE001 - inductor's failures (CaptureError among them) are many
                 notes.append(f"{recipe.describe()}: left eager, compiling failed ({type(err).__name__}: "
                              f"{str(err)[:160]})")
@@ -180,7 +200,7 @@ def prepare_model(model, name: str, role: str, progress=None) -> CapturedModel:
             write_meta(file, key, compile_s)
         say((i + 0.9) / len(recipes), f"loading the {role}'s captured step for {recipe.describe()}")
         start = time.perf_counter()
-        runner = load(file)
+        runner = load(file, format_tensors(model, recipe.formats()))
         loaded.append(Package(recipe, runner, str(file), compile_s, time.perf_counter() - start, file.stat().st_size))
         earlier = read_meta(file).get("compile_s") if compile_s is None else None
         if earlier is not None:
@@ -272,7 +292,8 @@ def install(table, captured: CapturedModel, seconds: dict[int, dict[int, float]]
     table.serves = {n: captured.rows_of(p, n) for n, p in serves.items()}
 
 
-def prepare_capture(pair, progress=None, recalibrate: bool = False, measure: bool = True) -> None:
+def prepare_capture(pair, progress=None, recalibrate: bool = False, measure: bool = True,
+                    build_missing: bool = True) -> None:
     """CPU pairs with captured steps on (`pair.capture == "aoti"`): build or load both models' packages, measure them
     against the eager table, and install them (`pair.captured`, the cost tables' `serves`). Seconds and memory per
     model land in `pair.capture_info`. The pair's kept static steps are dropped: their routes changed. Without
@@ -285,7 +306,7 @@ def prepare_capture(pair, progress=None, recalibrate: bool = False, measure: boo
     for i, (role, model, name) in enumerate(roles):
         share = (lambda f, m, i=i: say((i + f) / len(roles), m))
         rss = _rss()
-        captured = prepare_model(model, name, role, share)
+        captured = prepare_model(model, name, role, share, build_missing)
         if measure and pair.costs is not None and captured.packages:
             say((i + 0.95) / len(roles), f"measuring the {role}'s captured steps (cached after the first time)")
             table = getattr(pair.costs, role)

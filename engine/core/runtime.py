@@ -20,3 +20,9 @@ def cache_dir() -> Path:
     """$TREEVIZ_CACHE or ~/.cache/treeviz: converted models are gigabytes and must never land in the repo."""
     root = os.environ.get("TREEVIZ_CACHE") or Path.home() / ".cache" / "treeviz"
     return Path(root).expanduser()
+
+
+def model_device(model) -> torch.device:
+    """The device a model computes on: its first parameter that is not a shapeless stand-in on `meta` (a builder
+    process drops the weights a package never reads: engine/capture/aoti.py `release_weights`)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core import kv
-from engine.core.cuda_graphs import CudaGraphs
+from engine.core.cuda_graphs import CudaGraphs, clear_workspaces
 
 LADDER = (1, 2, 4, 8, 16, 32, 64)  # the row counts forwards are measured and captured at (buckets come from it)
 
@@ -346,6 +346,7 @@ class StaticSteps:
         """One graph per bucket, largest first (smaller ones then reuse its blocks of the shared pool). Records
         seconds per bucket and the memory the graphs hold."""
         torch.cuda.synchronize(self.device)
+        clear_workspaces()  # every capture clears them: measured before, their release would count as a saving
         allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
         for b in reversed(self.buckets):
             inputs = self._staged([], torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.bool), b)

@@ -13,6 +13,11 @@ Over a window of recent iterations the size m* with the highest predicted tokens
 to grow past it: size = the smallest accepted size >= ceil(GROWTH · m*), set only through `Strategy.resize`.
 When the whole tree was best the size grows; when a smaller one was, it shrinks toward it. So trees settle where one
 more node costs more (in this machine's t(n) and c) than it is expected to return.
+
+And where no tree pays at all -- the best size is predicted slower than an AR step (one token per one-row target
+forward, priced by the same table and scale) -- the next REST iterations draft nothing: each is an AR step. Then a
+tree is tried again, so the evidence follows the text (a run that turns repetitive may pay again). `last` says so and
+why, for the page.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from engine.strategies.sizing import Sample, SizeCost
 
 WINDOW = 12  # iterations of evidence; long enough to average acceptance, short enough to follow the text
 GROWTH = 1.25  # headroom above the best observed size, so larger trees keep being tried
+REST = 4  # AR steps after a verdict that no tree pays, before a tree is tried again
 
 __all__ = ["GROWTH", "WINDOW", "AutoSizer", "Sample", "predicted", "sample_of"]
 
@@ -58,6 +64,12 @@ class AutoSizer:
         self.samples: deque[Sample] = deque(maxlen=window)
         self.cost_records: deque = deque(maxlen=window)  # the window's predicted and measured seconds
         self.last: dict = {}
+        self.rest = 0  # AR steps still to take before the next tree
+
+    @property
+    def resting(self) -> bool:
+        """The next iteration drafts nothing: an AR step (no tree pays, `choose`)."""
+        return self.rest > 0
 
     def scale(self) -> tuple[float, float]:
         """Measured ÷ predicted draft and verify seconds over the window (1.0 until there is evidence)."""
@@ -83,19 +95,43 @@ class AutoSizer:
         drafted with the lookup alone (engine/strategies/graft.py) says nothing about the model's tree: skipped."""
         if record.lookup is not None and record.lookup.alone:
             return self.strategy.size()
+        if self.rest > 0:  # an AR step this sizer asked for: no evidence about trees
+            self.rest -= 1
+            return self.strategy.size()
         evidence = drift_evidence(record)
         if evidence is not None:
             self.cost_records.append(evidence)
         return self.choose(sample_of(record))
 
     def choose(self, sample: Sample) -> int:
-        """Add `sample` to the window, pick the best size and resize the strategy to the next value."""
+        """Add `sample` to the window, pick the best size and resize the strategy to the next value; where even the
+        best size is predicted slower than AR, rest for REST iterations (AR steps)."""
         self.samples.append(sample)
         rates = self.predicted_rates()
         best = max(rates, key=lambda m: (rates[m], -m))  # ties: the smaller tree
         sizes = self.strategy.sizes()
         value = next((m for m in sizes if m >= math.ceil(GROWTH * best)), sizes[-1])
         self.strategy.resize(value)
+        ar = self.predicted_ar_rate()
+        self.rest = REST if ar > rates[best] else 0
         self.last = {"param": self.param, "best_size": best, "next": value,
-                     "predicted_tokens_per_s": rates[best], "table_scale": list(self.scale())}
+                     "predicted_tokens_per_s": rates[best], "predicted_ar_tokens_per_s": ar,
+                     "table_scale": list(self.scale()), "draft": "none" if self.rest else "tree",
+                     "why": self.why(best, rates[best], ar)}
         return value
+
+    def predicted_ar_rate(self) -> float:
+        """Predicted tokens/s of AR steps over the window: one token per one-row target forward at each sample's
+        context, scaled like the trees' verification, plus a one-row share of the measured overhead."""
+        seconds = sum(self.costs.predict([], 1, s.context)["verify_s"] * self.scale()[1]
+                      + s.overhead_s / (s.drafted + 1) for s in self.samples)
+        return len(self.samples) / seconds
+
+    def why(self, best: int, rate: float, ar: float) -> str:
+        """One sentence for the page: the choice and the numbers behind it (c, t(n) at the best tree's size)."""
+        c, t = self.costs.c, self.costs.t(best + 1)
+        numbers = (f"best tree {self.param}={best}: {rate:.1f} tok/s predicted, AR {ar:.1f} tok/s "
+                   f"(c = {c:.2f}, t({best + 1}) = {t:.2f})" if c is not None else f"{rate:.1f} vs AR {ar:.1f} tok/s")
+        if self.rest:
+            return f"drafting nothing for {self.rest} iterations (AR steps): no tree pays here; {numbers}"
+        return numbers

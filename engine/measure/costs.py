@@ -6,9 +6,11 @@ So they are measured, once per (machine, model, dtype, torch version, threads), 
 cache_dir()/costs; `recalibrate=True` measures again.
 
 A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each of CONTEXTS), then time forwards of 1,
-2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/core/kernels.py),
-fastest of REPEATS (after one discarded warm-up call per path). The cache is rolled back after each call, so every call
-sees the same prefix. On CUDA, timing synchronises the device and the only path is torch's own. Where runs replay CUDA
+2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/core/kernels.py:
+the formats engine/measure/formats.py kept), fastest of REPEATS (after one discarded warm-up call per path). A path
+CLIMB_LIMIT times the best at a rung is not measured further up (priced at infinity: not competitive, never
+guessed), and the other contexts are measured only for the paths that win somewhere at PREFIX. The cache is rolled
+back after each call, so every call sees the same prefix. On CUDA, timing synchronises the device and the only path is torch's own. Where runs replay CUDA
 graphs (engine/core/steps.py) the table is measured through those same steps, one graph per rung
 (engine/capture/packages.py `measure_graphed`): a GPU's eager forwards cost what the host takes to launch them, which
 says nothing about a replay.
@@ -29,16 +31,19 @@ from pathlib import Path
 import torch
 
 from engine.core import kv
-from engine.core.kernels import PATHS, forcing, router_of, step_bytes
+from engine.core.kernels import PATHS, drop_format, forcing, onednn_bf16, router_of, step_bytes
 from engine.core.runtime import cache_dir, synchronize
 from engine.core.steps import LADDER
+from engine.measure.ladder import interpolate
 
 PREFIX = 300
 # Further context lengths measured beside PREFIX (attention's share of a forward grows with the cache), stored in the
 # same file under "contexts" so a table cached before they existed still loads and only they are measured.
 CONTEXTS = (1200,)
 REPEATS = 3
+CLIMB_LIMIT = 2.0  # a path this many times the best at a rung stops climbing the ladder
 CAPTURED = "captured"  # the path name of a model's captured steps in a table (never a kernel route)
+ROUTED = "routed"  # the path name of a model timed as its router sends each linear (a routing per shape group)
 FORMAT = 2  # bump when the meaning of a cached table changes
 _STREAM_BYTES = 1 << 30  # streaming-read probe: large enough to defeat every cache level
 
@@ -62,15 +67,26 @@ def _cpu_info() -> dict[str, str]:
     return info
 
 
+def kernel_isa() -> str:
+    """The instruction sets torch's CPU kernels actually use, after the variables that lower them (an emulated CPU
+    class, docs/cpu.md, gets tables of its own): ATen's dispatch level, oneDNN's bf16 and MKL's setting."""
+    try:
+        aten = str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        aten = "unknown"
+    return f"{aten}/onednn-bf16={int(onednn_bf16())}/mkl={os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'auto')}"
+
+
 def machine(device: torch.device) -> dict:
     """The hardware and software a measurement holds for. A virtualised CPU often reports only its family name
-    ("AMD EPYC"), so the instruction-set flags and core count are part of the identity too."""
+    ("AMD EPYC"), so the instruction-set flags, the ISA torch's kernels use and the core count are part of the
+    identity too."""
     if device.type == "cuda":
         hw = {"gpu": torch.cuda.get_device_name(device)}
     else:
         cpu = _cpu_info()
         hw = {"cpu": cpu["name"], "cpu_flags": hashlib.sha256(cpu["flags"].encode()).hexdigest()[:12],
-              "cores": os.cpu_count()}
+              "cores": os.cpu_count(), "isa": kernel_isa()}
     return {**hw, "device": device.type, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
@@ -107,18 +123,6 @@ def read_cached(key: dict) -> dict | None:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # one model's table
-
-
-def interpolate(points: dict[int, float], rows: int) -> float:
-    """Seconds at `rows` from measured rungs: linear between rungs, linear extrapolation past the last two."""
-    xs = sorted(points)
-    if rows <= xs[0]:
-        return points[xs[0]]
-    for lo, hi in zip(xs, xs[1:]):
-        if rows <= hi:
-            return points[lo] + (points[hi] - points[lo]) * (rows - lo) / (hi - lo)
-    lo, hi = xs[-2], xs[-1]
-    return points[hi] + max(points[hi] - points[lo], 0.0) * (rows - hi) / (hi - lo)
 
 
 @dataclass
@@ -174,23 +178,54 @@ def probe_ids(model, count: int) -> torch.Tensor:
 def measure(model, paths: list[str], ladder=LADDER, prefix: int = PREFIX, repeats: int = REPEATS
             ) -> dict[str, dict[int, float]]:
     """Seconds of a forward of each rung's row count over a `prefix`-token cache, per path: the fastest of
-    `repeats` calls. Paths take turns within each rung and each repeat is a whole sweep of the ladder, so drift of
-    the machine hits every path alike, and the minimum is kept because interference (another process, a page
-    fault) only ever adds time."""
+    `repeats` calls, paths interleaved within each rung (drift of the machine hits every path alike; the minimum is
+    kept because interference only ever adds time). A path CLIMB_LIMIT times the best at a rung gets infinity for
+    the rungs above."""
     ids = probe_ids(model, prefix + max(ladder))
-    cache = kv.new_cache(model)
-    samples: dict[str, dict[int, list[float]]] = {p: {r: [] for r in ladder} for p in paths}
+    live, seconds = list(paths), {p: {} for p in paths}
     with torch.inference_mode():
-        model(input_ids=ids[None, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for path in paths:  # warm-up, discarded: first calls of a path allocate and pick kernels
-            with forcing(model, path):
+        cache = filled_cache(model, ids, prefix)
+        for path in live:  # warm-up, discarded: first calls of a path allocate and pick kernels
+            with forcing(model, None if path == ROUTED else path):
                 timed_forward(model, ids, prefix, ladder[0], cache)
-        for _ in range(repeats):  # whole sweeps: a burst of interference spoils one sweep, not every repeat
-            for rows in ladder:
-                for path in paths:
-                    with forcing(model, path):
-                        samples[path][rows].append(timed_forward(model, ids, prefix, rows, cache))
-    return {p: {r: min(v) for r, v in by_rows.items()} for p, by_rows in samples.items()}
+        for rows in ladder:
+            samples = {p: [] for p in live}
+            for _ in range(repeats):
+                for path in live:
+                    with forcing(model, None if path == ROUTED else path):
+                        samples[path].append(timed_forward(model, ids, prefix, rows, cache))
+            for path in live:
+                seconds[path][rows] = min(samples[path])
+            best = min(seconds[p][rows] for p in live)
+            live = [p for p in live if seconds[p][rows] < CLIMB_LIMIT * best]
+    for table in seconds.values():
+        table.update({r: float("inf") for r in ladder if r not in table})
+    return seconds
+
+
+def filled_cache(model, ids: torch.Tensor, prefix: int):
+    """A cache of `prefix` positions to time forwards over. Random keys and values where the model's config says
+    their shapes: a forward's cost depends on how many positions attention reads, not on what they hold, and the
+    prefill that would make real ones is the longest part of a table (a 1,200-token prefill of the fp32 1.5B target
+    takes ~40 s on 2 cores). A model whose cache does not take them gets a real prefill."""
+    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = kv.new_cache(model)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for layer in range(cfg.num_hidden_layers):
+            keys, values = (torch.randn(1, heads, prefix, head_dim, generator=generator).to(ids.device, model.dtype)
+                            for _ in range(2))
+            cache.update(keys, values, layer)
+        model(input_ids=ids[None, prefix:prefix + 1], position_ids=torch.tensor([[prefix]], device=ids.device),
+              past_key_values=cache, use_cache=True)  # the cache takes a forward after it: else a real prefill
+        kv.keep_rows(cache, prefix, [])
+        return cache
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        cache = kv.new_cache(model)
+        model(input_ids=ids[None, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
 
 
 def timed_forward(model, ids: torch.Tensor, prefix: int, rows: int, cache) -> float:
@@ -220,8 +255,10 @@ def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, reca
     `graphs`: the table of replayed CUDA graphs (`measure_fn` then times them: engine/capture/packages.py
     `measure_graphed`), cached apart from the eager one."""
     router = router_of(model)
-    paths = list(router.paths) if router is not None else ["plain"]
-    key = table_key(model, name, dtype, device, graphs)
+    paths = [ROUTED] if router is not None and router.by_group else list(router.paths) if router is not None else \
+        ["plain"]
+    key = {**table_key(model, name, dtype, device, graphs), **({"routing": router.by_group} if paths == [ROUTED]
+                                                                else {})}
     stored: dict[str, dict[int, float]] = {}
     others: dict[int, dict[str, dict[int, float]]] = {}
     busy = None
@@ -236,6 +273,10 @@ def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, reca
     measured = False
     for context, table in [(PREFIX, stored)] + [(c, others.setdefault(c, {})) for c in CONTEXTS]:
         missing = [p for p in paths if set(table.get(p, {})) != set(LADDER)]
+        if context != PREFIX:  # another context only for the paths that win somewhere
+            winners = set(ModelCosts(name, {p: stored[p] for p in paths}).routing())
+            table.update({p: {r: float("inf") for r in LADDER} for p in missing if p not in winners})
+            missing = [p for p in missing if p in winners]
         if missing:
             before = machine_load()
             table.update(measure_fn(model, missing) if context == PREFIX else
@@ -364,12 +405,25 @@ def calibrate_pair(pair, recalibrate: bool = False, progress=None, measure_fn=me
         say(0.0 if role == "target" else 0.6, f"measuring {role} forward costs (cached after the first time)")
         costs = model_costs(model, name, pair.dtype, pair.device, recalibrate, measure_fn, graphs=pair.graphs)
         router = router_of(model)
-        if router is not None:
+        if router is not None and not router.by_group:  # a probe's per-group routing is already installed
             router.install(costs.routing())
+            drop_unrouted(model, costs)
         costs.step_bytes = step_bytes(model)
         tables[role] = costs
     bandwidth = machine_bandwidth(pair.device, recalibrate)
     return PairCosts(tables["target"], tables["draft"], bandwidth)
+
+
+def drop_unrouted(model, costs: ModelCosts) -> None:
+    """Free the formats the installed routing sends no row count to, and forget their columns of the table: one
+    resident copy of each format a route actually reads (memory is a budget)."""
+    used = set(costs.routing())
+    for path in [p for p in costs.seconds if p not in used]:
+        drop_format(model, path)
+        if path not in router_of(model).paths:  # a tied plain weight stays (the embedding reads it)
+            costs.seconds.pop(path)
+            for table in costs.contexts.values():
+                table.pop(path, None)
 
 
 def spans(rows) -> str:
@@ -383,14 +437,15 @@ def spans(rows) -> str:
     return ", ".join(out) or "none"
 
 
-def format_costs(costs: PairCosts, routing: dict[str, str] | None = None) -> str:
+def format_costs(costs: PairCosts, routing: dict[str, str] | None = None, formats: dict[str, str] | None = None
+                 ) -> str:
     """The cost table as text: ms per path and row count, c, t(n), routing, and AR against the bandwidth bound."""
     head = "model   path    " + "".join(f"{r:>8d}" for r in LADDER) + "   (ms per forward, rows)"
     lines = [head, "-" * len(head)]
     for role, table in (("target", costs.target), ("draft", costs.draft)):
         if table is None:
             continue
-        for path in PATHS:
+        for path in PATHS:  # a model routed per shape group has the one column ROUTED: the row below
             if path in table.seconds:
                 cells = "".join(f"{table.seconds[path][r] * 1000:8.1f}" for r in LADDER)
                 lines.append(f"{role:7s} {path:7s} {cells}")
@@ -410,6 +465,8 @@ def format_costs(costs: PairCosts, routing: dict[str, str] | None = None) -> str
                      f"{costs.step * 1000:.1f} ms = {costs.c:.3f}")
     for role, text in (routing or {}).items():
         lines.append(f"routing {role}: {text}")
+    for role, text in (formats or {}).items():
+        lines.append(f"formats {role} (probe, engine/measure/formats.py): {text}")
     ar = costs.ar_bandwidth()
     line = (f"AR: {costs.target.step_bytes / 1e9:.2f} GB of linear weights per step in {costs.step * 1000:.1f} ms "
             f"= {ar / 1e9:.1f} GB/s")

@@ -6,10 +6,12 @@ bf16 dot products), else fp32, which keeps greedy decoding exact.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
+from engine.core.kernels import onednn_bf16
 from engine.models.pair import ModelLoadError
 
 
@@ -46,12 +48,53 @@ _DTYPES = {
 
 
 def cpu_has_fast_bf16() -> bool:
-    # bf16 by default only where the CPU has native bf16 dot products; elsewhere fp32 keeps greedy decoding exact.
+    """Whether this CPU, as torch's kernels will drive it, has native bf16 dot products: the flags (avx512_bf16 or
+    amx_bf16), AVX-512 kernels in ATen (ATEN_CPU_CAPABILITY may lower that) and bf16 GEMMs in oneDNN
+    (ONEDNN_MAX_CPU_ISA may lower that). So an emulated AVX2-only machine (docs/cpu.md) is one here too. bf16 is the
+    default only where this holds; elsewhere fp32 keeps greedy decoding exact and fast."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
+        return False
+    return cpu_capability().startswith("AVX512") and onednn_bf16()
+
+
+def cpu_capability() -> str:
+    """The vector ISA ATen dispatches to here ("AVX512", "AVX2", "DEFAULT", ...), after ATEN_CPU_CAPABILITY."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+def cpu_class() -> str:
+    """The class this CPU runs as, for people: "AMX" / "native bf16" / "AVX-512" / "AVX2" (after any emulation)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    capability = cpu_capability()
+    if cpu_has_fast_bf16():
+        return "AMX" if "amx_bf16" in flags else "native bf16"
+    return "AVX-512" if capability.startswith("AVX512") else capability.replace("AVX2", "AVX2 only")
+
+
+def machine_label(device: torch.device) -> str:
+    """e.g. "Intel(R) Xeon(R) Processor, 2 cores, AMX" or "NVIDIA H100 80GB HBM3": what a recorded speed was
+    measured on, so a page that shows it can say so (CPUs differ more than any setting)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores, {cpu_class()}"
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:

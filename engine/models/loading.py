@@ -20,26 +20,30 @@ Model specs (either side):
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerBase
 
-from engine.capture.packages import capture_backend, measure_graphed
+from engine.capture.packages import capture_backend, measure_graphed, remember_fingerprint
 from engine.core.attention import use_tree_sdpa
-from engine.core.kernels import (PackingError, check_quant_mode, pack_linears, packed_dtype, quantize_linears,
-                                 route_linears, should_pack)
+from engine.core.kernels import (MODES, PACKED, QUANTISED, PackingError, check_quant_mode, format_unavailable,
+                                 linear_bytes, packed_dtype, return_freed_memory, route_linears, router_of)
 from engine.measure.costs import calibrate_pair, measure
+from engine.measure.formats import choose_formats, make_whole, plan_memory, weights_budget
 from engine.models.devices import cpu_has_fast_bf16, resolve_device, resolve_dtype
-from engine.models.packaged import (LOAD_WORK, PACKAGED, preparation_work, prepared_model_dir,
+from engine.models.packaged import (LOAD_WORK, PACKAGED, prepare_ahead, preparation_work, prepared_model_dir,
                                     require_gguf_support)
 from engine.models.pair import ModelLoadError, ModelPair, check_rollbackable, check_same_vocab, short_error
 from engine.models.progress import Progress, say, span
 from engine.models.shapes import is_shape_spec, load_shape
 from engine.models.tiny import is_tiny_spec, load_tiny
-from engine.models.vocab import VocabError, draft_vocab_ids, parse_draft_vocab, trim_head
+from engine.models.vocab import VocabError, auto_draft_vocab, draft_vocab_ids, parse_draft_vocab, trim_head
 from engine.models.widths import match_draft_width
+
+log = logging.getLogger(__name__)
 
 
 def _same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
@@ -195,6 +199,15 @@ PAIRS: dict[str, tuple[str, str]] = {
 }
 
 
+def wait_quietly(future) -> None:
+    """Wait for a background preparation; a failure is logged, not raised: loading the model prepares it again in
+    this process and reports what went wrong there."""
+    try:
+        future.result()
+    except Exception as err:  # noqa: BLE001 - any failure: the in-process retry gives the user's message
+        log.warning("preparing the draft in the background failed (%s); preparing it here", err)
+
+
 def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "auto",
               device: torch.device | str = "auto", trust_remote_code: bool = False,
               packed: str = "auto", progress: Progress | None = None, draft_vocab: int | str | None = None,
@@ -202,17 +215,19 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
               capture: str = "off") -> ModelPair:
     """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
 
-    packed: "auto" | "on" | "off" -- give CPU linears a pre-packed oneDNN path (engine/core/kernels.py); "auto" does it
-    on CPU in fp32 (or bf16 with native bf16) when the extra copy of the weights fits in free memory.
+    packed: "auto" | "on" | "off" -- whether CPU linears may be re-laid out once for MKL's or oneDNN's packed GEMMs
+    (engine/core/kernels.py); "auto": where the format probe (engine/measure/formats.py) finds them faster, "on":
+    always one of them, "off": never.
     draft_vocab: None / "full" or N -- the draft scores only the N most frequent tokens (engine/models/vocab.py).
-    draft_quant: "none" | "int8" | "int4" | "auto" -- give the draft's linears weight-only quantised paths (CPU;
-    "auto": both, and nothing on other devices), used at the row counts where the cost table measured them faster.
+    draft_quant: "none" | "int8" | "int4" | "auto" -- let the draft's linears take weight-only quantised formats (CPU;
+    "auto": both, and nothing on other devices), kept where the probe and then the cost table measure them faster.
+    Only the formats the routing uses stay in memory.
     calibrate: measure (or read from the disk cache) each model's forward cost per row count and path, and route
     every call to its fastest path (engine/measure/costs.py); recalibrate measures again.
     capture: "auto" | "on" | "off" -- whether runs on this pair take captured steps (engine/capture/packages.py): CPU
     packages compiled ahead of time (built and measured by `prepare_capture`, which the caller runs when it suits it:
-    the app in the background), or CUDA graphs (only with "on" until a GPU run validates them; the cost table is then
-    measured on the graphed steps). Default "off".
+    the app in the background), or CUDA graphs (`auto` and `on`; validated on an H100, docs/gpu.md; the cost table is
+    then measured on the graphed steps). Default "off".
     """
     t0 = time.perf_counter()
     device = resolve_device(device)
@@ -221,11 +236,15 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
         draft = None
     # The target usually dominates: give it most of the bar.
     split = 0.7 if draft is not None else 1.0
+    ahead = prepare_ahead("default-draft" if draft == "default" else str(draft), dtype) if draft else None
     t_model, t_tok, t_name = load_model(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                         progress=span(progress, 0.0, split), role="target")
     check_rollbackable(t_model.config, t_name)
     d_model, d_name = None, "none"
     if draft is not None:
+        if ahead is not None:
+            say(progress, split, "waiting for the draft's conversion (it ran beside the target's)")
+            wait_quietly(ahead)
         d_model, d_tok, d_name = load_model(draft, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                             progress=span(progress, split, 1.0), role="draft", tokenizer=t_tok)
         check_rollbackable(d_model.config, d_name)
@@ -235,7 +254,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
             use_tree_sdpa(model)  # tree masks without repeating grouped key/value heads (engine/core/attention.py)
     pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, capture=capture_backend(capture, device))
     try:
-        prepare_kernels(pair, packed, draft_vocab, draft_quant, progress)
+        prepare_kernels(pair, packed, draft_vocab, draft_quant, progress, recalibrate)
         if d_model is not None:  # a draft whose table differs by padding rows: the target's width (after trimming)
             fallback = next((i for i in (t_tok.pad_token_id, t_tok.eos_token_id) if i is not None), 0)
             match_draft_width(d_model, t_model.config.get_text_config().vocab_size, fallback)
@@ -245,34 +264,61 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
                                         measure_fn=measure_fn)
     except (PackingError, VocabError) as err:
         raise ModelLoadError(str(err)) from None
+    return_freed_memory()
     say(progress, 1.0, f"ready in {time.perf_counter() - t0:.1f} s: {pair.describe()}")
     return pair
 
 
 def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | str | None = None,
-                    draft_quant: str = "none", progress: Progress | None = None) -> None:
-    """Trim the draft's head, then give the linears their kernel paths (routed later by measured cost).
-
-    The trim comes first so that the trimmed head's linear gets the packed / quantised paths like every other."""
+                    draft_quant: str = "none", progress: Progress | None = None, recalibrate: bool = False) -> None:
+    """Trim the draft's head, then give each model's linears the weight formats this CPU runs fastest, per shape
+    group, and only those that fit the memory plan (engine/measure/formats.py: a short probe, then `plan_memory`;
+    the others are never made whole). The trim comes first, so the trimmed head gets its formats like every other
+    linear."""
     vocab, quant = parse_draft_vocab(draft_vocab), check_quant_mode(draft_quant)
-    if pair.draft is None and (vocab or quant != "none"):
+    if pair.draft is None and vocab not in (None, "auto") or pair.draft is None and quant not in ("none", "auto"):
         raise VocabError("--draft-vocab and --draft-quant need a draft model")
+    if vocab == "auto":
+        vocab = None if pair.draft is None else auto_draft_vocab(
+            pair.tokenizer, pair.draft.get_output_embeddings().out_features)
     if vocab:
         always = [*pair.eos_token_ids, *pair.tokenizer.get_added_vocab().values()]
         trim_head(pair.draft, draft_vocab_ids(pair.tokenizer, vocab, always))
         pair.draft_vocab = pair.draft.get_output_embeddings().vocab_rows
-    models = [m for m in (pair.target, pair.draft) if m is not None]
-    if pair.device.type == "cpu":
-        for m in models:
-            route_linears(m)
-    native_bf16 = cpu_has_fast_bf16()
-    pack, why = should_pack(packed, models, pair.device, pair.dtype, native_bf16=native_bf16)
-    say(progress, 1.0, f"packing weights: {why}" if pack else why)  # the loads already reported 1.0
-    if pack:
-        for m in models:
-            pack_linears(m, packed_dtype(pair.dtype, native_bf16))
-    pair.packed = pack
-    if quant != "none":
-        say(progress, 1.0, f"quantising the draft's weights ({'int8 and int4' if quant == 'auto' else quant})")
-        if quantize_linears(pair.draft, quant):
-            pair.draft_quant = quant  # "auto" on a GPU adds nothing and stays "none"
+    for _, model, _ in pair.models():
+        remember_fingerprint(model)  # a package's key, taken before a format replaces a plain weight
+    if pair.device.type != "cpu":
+        return
+    compute = packed_dtype(pair.dtype, cpu_has_fast_bf16())
+    for role, model, name in pair.models():
+        route_linears(model)
+        candidates = candidate_formats(packed, quant if role == "draft" else "none", pair.device, pair.dtype)
+        if candidates != ["plain"]:
+            say(progress, 1.0, f"probing the {role}'s weight formats ({', '.join(candidates)}; cached after the "
+                               "first time)")
+            pair.formats[role] = choose_formats(model, name, candidates, compute, recalibrate)
+    loaded = sum(linear_bytes(model) for _, model, _ in pair.models())
+    pair.memory_notes = plan_memory(list(pair.formats.values()), weights_budget(loaded))
+    for role, model, _ in pair.models():
+        if role in pair.formats:
+            make_whole(model, pair.formats[role], compute)
+            say(progress, 1.0, f"{role} weights: {router_of(model).describe()}")
+    kept = [p for choice in pair.formats.values() for p in choice.kept]
+    pair.packed = any(p in PACKED for p in kept)
+    pair.draft_quant = quant if pair.draft is not None else "none"  # asked for; what was kept: pair.formats
+
+
+def candidate_formats(packed: str, quant: str, device, dtype) -> list[str]:
+    """The formats a model may be probed on: plain unless packing is forced, the packed formats this CPU has unless
+    packing is off, and the draft's quantised formats (for "auto" all of them: int8, int4, dyn8; the probe notes and
+    skips one this CPU cannot make). `packed="on"` where no packed format can be made is an error that says why."""
+    packed = str(packed or "auto").strip().lower()
+    if packed not in MODES:
+        raise PackingError(f"packed weights must be one of {', '.join(MODES)}, got {packed!r}")
+    have = [p for p in PACKED if format_unavailable(p, device, dtype) is None]
+    if packed == "on" and not have:
+        reasons = "; ".join(f"{p}: {format_unavailable(p, device, dtype)}" for p in PACKED)
+        raise PackingError(f"cannot pack weights here ({reasons})")
+    out = ([] if packed == "on" else ["plain"]) + ([] if packed == "off" else have)
+    return out + ([] if quant == "none" else list(QUANTISED) if quant == "auto" else [quant])
+

@@ -16,10 +16,12 @@ import hashlib
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -291,6 +293,23 @@ def _work_left(key: str, dtype: torch.dtype) -> tuple[float, float]:
 def preparation_work(key: str, dtype: torch.dtype) -> float:
     """How much of `prepared_model_dir(key, dtype)` is left to do (0: all cached), in the units of LOAD_WORK."""
     return sum(_work_left(key, dtype))
+
+
+def prepare_ahead(key: str, dtype: torch.dtype) -> Future | None:
+    """Start preparing the default model `key` in `dtype` in another process, or None when it is ready already:
+    the draft converts beside the target (conversion is mostly single-threaded, and a first start on 2 cores waits
+    for both). Wait for the future before loading the model; if it failed, loading prepares it again and says why."""
+    if key not in PACKAGED or not preparation_work(key, dtype):
+        return None
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    future = pool.submit(_prepare_in_child, key, str(dtype).removeprefix("torch."))
+    pool.shutdown(wait=False)  # the worker exits when its one job is done
+    return future
+
+
+def _prepare_in_child(key: str, dtype: str) -> str:
+    torch.set_num_threads(1)  # the parent converts the other model on the other core
+    return str(prepared_model_dir(key, getattr(torch, dtype)))
 
 
 def prepared_model_dir(key: str, dtype: torch.dtype, progress: Progress | None = None) -> Path:

@@ -36,10 +36,13 @@ class ModelPair:
     dtype: torch.dtype
     target_name: str
     draft_name: str
-    packed: bool = False  # linears have a pre-packed oneDNN path (engine/core/kernels.py)
+    packed: bool = False  # some linears keep a packed format, MKL's or oneDNN's (engine/core/kernels.py)
     costs: PairCosts | None = None  # measured forward costs (engine/measure/costs.py); None: not calibrated
     draft_vocab: int | None = None  # the draft scores only this many frequent tokens (engine/models/vocab.py)
-    draft_quant: str = "none"  # weight-only quantised paths of the draft's linears: none | int8 | int4 | auto
+    draft_quant: str = "none"  # the draft's quantised formats asked for (kernels.QUANT_MODES); kept: `formats`
+    # role -> FormatChoice: the weight formats each model kept and the probe that chose them (engine/measure/formats.py)
+    formats: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    memory_notes: list[str] = field(default_factory=list, repr=False, compare=False)  # formats the memory plan dropped
     # How runs capture their forwards (engine/capture/packages.py): "aoti" (CPU packages), "cuda-graphs", or None
     # (eager)
     capture: str | None = None
@@ -48,6 +51,11 @@ class ModelPair:
     capture_info: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # seconds, bytes per role
     # role -> StaticSteps kept across runs on this pair (engine/core/steps.py `reuse_static`): captured graphs live here
     static_steps: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def models(self) -> list[tuple[str, PreTrainedModel, str]]:
+        """(role, model, name) of the target and, when there is one, the draft."""
+        out = [("target", self.target, self.target_name)]
+        return out + ([("draft", self.draft, self.draft_name)] if self.draft is not None else [])
 
     @property
     def graphs(self) -> bool:
@@ -86,15 +94,10 @@ class ModelPair:
         dtype = str(self.dtype).removeprefix("torch.")
         text = (f"target: {self.target_name} | draft: {draft} | device: {self.device} | dtype: {dtype} | "
                 f"attention: {attn}")
-        if self.packed:
-            text += " | packed weights"
         if self.draft is not None and self.draft_vocab:
             text += f" | draft vocabulary {self.draft_vocab}"
-        if self.draft is not None and self.draft_quant != "none":
-            quant = "int8 + int4" if self.draft_quant == "auto" else self.draft_quant
-            text += f" | draft {quant} paths"
         routers = [router_of(m) for m in (self.target, self.draft) if m is not None]
-        if any(r is not None and len(r.paths) > 1 for r in routers):  # a choice was made: show it
+        if any(r is not None and r.paths != ["plain"] for r in routers):  # a format was chosen: show it
             text += " | routing " + "; ".join(f"{role}: {r}" for role, r in self.routing().items())
         if self.capture is not None:
             text += f" | {self.describe_capture()}"

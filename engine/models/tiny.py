@@ -73,7 +73,10 @@ def tiny_config(vocab_size: int = 256 + len(_TINY_SPECIALS), num_layers: int = 2
 def tiny_random_model(seed: int = 0, num_layers: int = 2, config: Qwen2Config | None = None) -> Qwen2ForCausalLM:
     """A tiny Qwen2 in fp32 on cpu with every weight ~ N(0, std^2) from `seed` (norms 1, biases 0)."""
     config = config or tiny_config(num_layers=num_layers)
-    with torch.random.fork_rng():  # construction runs transformers' own init; keep the caller's RNG untouched
+    # construction runs transformers' own init; keep the caller's RNG untouched. The CPU's alone: forking every CUDA
+    # device's generator initialises CUDA, which a ZeroGPU Space's main process must never do (seen on an H100: a
+    # forked GPU worker then cannot start CUDA)
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     g = torch.Generator().manual_seed(seed)

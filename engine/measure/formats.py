@@ -1,0 +1,306 @@
+"""Which weight formats each linear keeps: a short probe on a few of the model's own layers, then a memory plan.
+
+Making every format of a 1.5B model whole to time whole forwards costs minutes and a copy of the weights per format
+(engine/core/kernels.py lists them), and most formats lose on a given CPU (weight-only int8 on an AVX2-only CPU
+loses at every row count). So formats are timed on the linears of the model's first decoder layers -- enough of
+them that their weights overflow the last-level cache twice, so the probe streams from memory as a forward does --
+and on the layers outside them (the LM head), one shape group at a time (`kernels.group_of`: every linear of one
+weight shape), at each rung of the ladder:
+
+  * a format stops climbing once it is CLIMB_LIMIT times the best at a rung (what is not measured is priced as not
+    competitive, never guessed);
+  * a group keeps at most two formats: the one fastest over the tree rungs (2-16 rows, weighted by WEIGHT), and
+    the one fastest at one row if it beats that by more than SHARE there (a wide matrix streams fastest unpacked at
+    one row and packed above it). So a model's routing changes at one row count at most, and its captured steps are
+    two packages (engine/capture/packages.py `plan`);
+  * `plan_memory` then drops the second formats that buy the least time per byte until the pair's weights fit its
+    budget (`weights_budget`): one resident copy of each format a route reads, and no more than the machine has.
+
+The probe is cached per machine like the cost tables; the whole-model table (engine/measure/costs.py) is measured
+afterwards on the formats kept, as routed.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.core.kernels import (PATHS, RoutedLinear, available_memory, format_unavailable, routed_linears,
+                                 router_of, tensor_bytes, tied_weights)
+from engine.core.steps import LADDER
+from engine.measure.costs import machine, model_identity, read_cached, table_file, write_json
+from engine.measure.ladder import interpolate
+
+CLIMB_LIMIT = 2.0  # a format this many times the best at a rung is not measured further up the ladder
+SHARE = 1.05  # a second format is kept only where it beats the first by more than this
+REPEATS = 3
+FORMAT = 4  # bump when a cached probe's meaning changes (4: groups by weight shape, formats per shape)
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+# How much each row count's speed matters when memory forces a choice: one row is every AR step and most draft
+# steps; 2-16 rows are trees; 32-64 rows are rare.
+WEIGHT = {1: 4.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 1.0, 32: 0.25, 64: 0.25}
+WEIGHTS_CEILING = 8 << 30  # the pair's linear weights never exceed this (TREEVIZ_WEIGHTS_GIB overrides). The app
+# beside them holds ~2 GiB (runtime, embeddings, caches) and its builder ~2 GiB plus a compile's growth: together
+# inside a 16 GiB machine. In fp32 the default pair then keeps about one format per weight shape.
+RESERVE = 3 << 30  # memory left to everything else when the budget comes from what is free
+
+
+@dataclass
+class GroupChoice:
+    """One shape group of a model: its probe seconds per format and rung (infinity: not competitive there), the
+    formats it keeps (best first), and how many bytes its linears hold in plain form across the whole model."""
+    seconds: dict[str, dict[int, float]]
+    kept: list[str]
+    plain_bytes: int
+    tied: bool = False  # its plain weight is the input embedding's: resident whatever it keeps, so plain is free
+
+    def time(self, path: str, rows: int) -> float:
+        return interpolate(self.seconds[path], rows)
+
+    def routing(self, top: int = LADDER[-1]) -> list[str]:
+        """Row count -> format for 1..top: the one-row format at one row, the many-row format above (`keep`)."""
+        one = min(self.kept, key=lambda p: self.time(p, 1))
+        return [one] + [self.kept[0]] * (top - 1)
+
+    def loss_without(self, path: str) -> float:
+        """Weighted probe seconds lost per call if `path` left the kept formats (infinity if it is the only one)."""
+        rest = [p for p in self.kept if p != path]
+        if not rest:
+            return float("inf")
+        return sum(w * max(min(self.time(p, r) for p in rest) - min(self.time(p, r) for p in self.kept), 0.0)
+                   for r, w in WEIGHT.items())
+
+
+@dataclass
+class FormatChoice:
+    """The probe's verdict for one model: per group, the formats to make whole; each format's bytes per byte of
+    plain weight; why formats were not probed."""
+    groups: dict[str, GroupChoice]
+    size: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+    measured: bool = False
+
+    @property
+    def kept(self) -> list[str]:
+        """Every format some group keeps, in PATHS order."""
+        return [p for p in PATHS if any(p in g.kept for g in self.groups.values())]
+
+    def bytes(self) -> int:
+        """Resident bytes of the kept formats over the whole model's linears."""
+        return int(sum(g.plain_bytes * self.size.get(p, 1.0) for g in self.groups.values() for p in g.kept
+                       if not (g.tied and p == "plain")))
+
+    def routing(self) -> dict[str, list[str]]:
+        return {group: g.routing() for group, g in self.groups.items()}
+
+    def summary(self) -> str:
+        """Per group: the kept formats and the probe's ratio of each to the best at one row."""
+        parts = []
+        for group, g in self.groups.items():
+            at1 = {p: t[1] for p, t in g.seconds.items()}
+            best = min(at1.values())
+            ratios = ", ".join(f"{p} {v / best:.2f}" for p, v in sorted(at1.items(), key=lambda kv: kv[1]))
+            parts.append(f"{group}: {'+'.join(g.kept)} (1 row: {ratios})")
+        return "; ".join(parts)
+
+
+# -- the probe ------------------------------------------------------------------------------------------------------
+
+def last_level_cache() -> int:
+    """Bytes of the CPU's last-level cache (32 MiB where sysfs does not say)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+            best = max(best, int(size.rstrip("KMG")) * scale)
+        except (OSError, ValueError, IndexError):
+            continue
+    return best or 32 << 20
+
+
+def probe_groups(model) -> dict[str, list[RoutedLinear]]:
+    """Per shape group, the linears the probe times: those of the first decoder layers whose weights overflow the
+    last-level cache twice (every layer if the model is smaller), and every linear outside the layers."""
+    by_layer: dict[int | None, list[RoutedLinear]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedLinear):
+            match = _LAYER.search(name + ".")
+            by_layer.setdefault(int(match.group(1)) if match else None, []).append(module)
+    chosen, size, want = list(by_layer.pop(None, [])), 0, 2 * last_level_cache()
+    for index in sorted(by_layer):
+        if size >= want:
+            break
+        chosen += by_layer[index]
+        size += sum(_plain_bytes(layer) for layer in by_layer[index])
+    groups: dict[str, list[RoutedLinear]] = {}
+    for layer in chosen:
+        groups.setdefault(layer.group, []).append(layer)
+    return groups
+
+
+def _plain_bytes(layer: RoutedLinear) -> int:
+    return layer.weight.numel() * layer.weight.element_size()
+
+
+def time_formats(layers: list[RoutedLinear], paths: list[str], ladder=LADDER, repeats: int = REPEATS
+                 ) -> dict[str, dict[int, float]]:
+    """Seconds of one call of every layer in `layers` on each format, per rung: formats interleaved within a rung,
+    the fastest of `repeats` after a discarded warm-up. A format CLIMB_LIMIT times the best at a rung gets infinity
+    for the rungs above."""
+    generator = torch.Generator().manual_seed(0)
+    dtype = layers[0].weight.dtype
+    live, seconds = list(paths), {p: {} for p in paths}
+    with torch.inference_mode():
+        for rows in ladder:
+            inputs = [torch.randn(rows, layer.in_features, generator=generator).to(dtype) for layer in layers]
+            for path in live:
+                _sweep(layers, inputs, path)
+            for path in live:
+                seconds[path][rows] = min(_sweep(layers, inputs, path) for _ in range(repeats))
+            best = min(seconds[p][rows] for p in live)
+            live = [p for p in live if seconds[p][rows] < CLIMB_LIMIT * best]
+    for table in seconds.values():
+        table.update({r: float("inf") for r in ladder if r not in table})
+    return seconds
+
+
+def _sweep(layers, inputs, path: str) -> float:
+    router = layers[0].router
+    router.forced = path
+    try:
+        start = time.perf_counter()
+        for layer, x in zip(layers, inputs):
+            layer(x)
+        return time.perf_counter() - start
+    finally:
+        router.forced = None
+
+
+def keep(seconds: dict[str, dict[int, float]]) -> list[str]:
+    """[the format fastest over the tree rungs (2-16 rows, weighted by WEIGHT)] + [the format fastest at one row,
+    where it beats that one by more than SHARE there]. A format missing at a rung was not competitive there."""
+    tree = [r for r in (2, 4, 8, 16) if any(r in t for t in seconds.values())] or [1]
+    many = min(seconds, key=lambda p: (sum(WEIGHT[r] * seconds[p].get(r, float("inf")) for r in tree),
+                                       PATHS.index(p)))
+    one = min(seconds, key=lambda p: (seconds[p][1], PATHS.index(p)))
+    return [many] + ([one] if one != many and seconds[one][1] * SHARE < seconds[many][1] else [])
+
+
+def probe_key(model, name: str, dtype: torch.dtype, paths: list[str]) -> dict:
+    device = next(model.parameters()).device
+    return {"format": FORMAT, "probe": "formats", "model": model_identity(model, name),
+            "dtype": str(dtype).removeprefix("torch."), "paths": sorted(paths), "ladder": list(LADDER),
+            "cache": last_level_cache(), **machine(device)}
+
+
+def choose_formats(model, name: str, candidates: list[str], compute_dtype: torch.dtype | None = None,
+                   recalibrate: bool = False) -> FormatChoice:
+    """Probe `candidates` on `model` per shape group (read from the cache where this machine probed them before)
+    and say which each group keeps. The probe's copies are made for the probed layers only and freed after."""
+    device, dtype = next(model.parameters()).device, model.dtype
+    notes, paths = [], []
+    for path in candidates:
+        reason = format_unavailable(path, device, dtype)
+        (notes.append(f"{path}: {reason}") if reason else paths.append(path))
+    members = {}
+    for layer in routed_linears(model):
+        members.setdefault(layer.group, []).append(layer)
+    plain = {g: sum(_plain_bytes(m) for m in ms) for g, ms in members.items()}
+    key = probe_key(model, name, dtype, paths)
+    data = None if recalibrate else read_cached(key)
+    if data is None:
+        seconds, size = _probe(model, paths, compute_dtype, notes)
+        data = {"key": key, "seconds": seconds, "size": size, "notes": notes, "measured_at": time.time()}
+        write_json(table_file(key), data)
+        measured = True
+    else:
+        seconds = {g: {p: {int(r): v for r, v in t.items()} for p, t in by_path.items()}
+                   for g, by_path in data["seconds"].items()}
+        size, notes, measured = data["size"], notes + data.get("notes", []), False
+    tied = {g for g, ms in members.items() if any(id(m.weight) in tied_weights(model) for m in ms)}
+    groups = {g: GroupChoice(seconds[g], _kept(seconds[g], g in tied), plain[g], g in tied) for g in members}
+    return FormatChoice(groups, size, notes, measured)
+
+
+def _kept(seconds, tied: bool) -> list[str]:
+    """`keep`, and for a tied group its plain weight too where it is the fastest at one row (it is resident anyway)."""
+    kept = keep(seconds)
+    if tied and "plain" in seconds and "plain" not in kept and seconds["plain"][1] < seconds[kept[0]][1]:
+        kept.append("plain")
+    return kept
+
+
+def _probe(model, paths: list[str], compute_dtype, notes: list[str]):
+    """(seconds[group][path][rows], bytes per plain byte per path) on copies made for the probed layers only; a
+    group is probed on the formats its weight shape takes (int4 needs multiples of its group size)."""
+    groups = probe_groups(model)
+    probed = [layer for layers in groups.values() for layer in layers]
+    takes = {g: [p for p in paths if all(layer.takes(p) for layer in layers)] for g, layers in groups.items()}
+    for g, have in takes.items():
+        notes += [f"{g}: {p} does not take this weight shape" for p in paths if p not in have]
+    try:
+        for g, layers in groups.items():
+            for layer in layers:
+                for path in takes[g]:
+                    layer.add(path, compute_dtype)
+        size = {p: sum(tensor_bytes(t) for layer in probed if p in layer.paths for t in layer.tensors(p))
+                / max(sum(_plain_bytes(layer) for layer in probed if p in layer.paths), 1) for p in paths}
+        seconds = {g: time_formats(layers, takes[g]) for g, layers in groups.items()}
+    finally:
+        for layer in probed:
+            for path in paths:
+                if path != "plain":
+                    layer.drop(path)
+    return seconds, size
+
+
+# -- the memory plan ----------------------------------------------------------------------------------------------------
+
+def weights_budget(loaded_bytes: int) -> int:
+    """Bytes the pair's linear weights may take: WEIGHTS_CEILING (or TREEVIZ_WEIGHTS_GIB), and no more than what is
+    free now plus what the loaded models already hold, less RESERVE for everything else."""
+    ceiling = int(float(os.environ.get("TREEVIZ_WEIGHTS_GIB", WEIGHTS_CEILING / 2**30)) * 2**30)
+    free = available_memory()
+    return ceiling if free is None else min(ceiling, free + loaded_bytes - RESERVE)
+
+
+def plan_memory(choices: list[FormatChoice], budget: int) -> list[str]:
+    """Drop second formats, the one that buys the least weighted time per byte first, until the choices' bytes fit
+    `budget` (a group's last format always stays: a model that does not fit in one format is the loader's refusal,
+    not this plan's). Returns one note per format dropped."""
+    notes = []
+    while sum(c.bytes() for c in choices) > budget:
+        options = [(g.loss_without(p) / max(g.plain_bytes * c.size.get(p, 1.0), 1), c, group, p)
+                   for c in choices for group, g in c.groups.items() if len(g.kept) > 1 for p in g.kept]
+        if not options:
+            notes.append(f"the weights need {sum(c.bytes() for c in choices) / 2**30:.1f} GiB in one format each; "
+                         f"the budget is {budget / 2**30:.1f} GiB")
+            break
+        _, choice, group, path = min(options, key=lambda o: o[0])
+        choice.groups[group].kept.remove(path)
+        notes.append(f"{group}: {path} dropped to fit {budget / 2**30:.1f} GiB of weights")
+    return notes
+
+
+def make_whole(model, choice: FormatChoice, compute_dtype: torch.dtype | None = None) -> None:
+    """Give every linear of `model` the formats its group keeps, layer by layer, freeing a plain weight right after
+    its replacement is made (so two whole copies never coexist; a tied one stays), and install the groups'
+    routing. Formats a layer's shape cannot take leave that layer on what it has."""
+    tied = tied_weights(model)
+    for layer in routed_linears(model):
+        kept = choice.groups[layer.group].kept
+        for path in kept:
+            if layer.takes(path):
+                layer.add(path, compute_dtype)
+        if "plain" not in kept and id(layer.weight) not in tied and all(layer.takes(p) for p in kept):
+            layer.drop("plain")
+    router = router_of(model)
+    router.paths = [p for p in PATHS if any(p in layer.paths for layer in routed_linears(model))]
+    biggest = max(choice.groups.values(), key=lambda g: g.plain_bytes)
+    router.default = biggest.kept[0]
+    router.install([], choice.routing())
