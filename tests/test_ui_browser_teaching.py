@@ -96,7 +96,7 @@ def test_race_step_through_and_sweep_in_a_real_browser(tmp_path):
         points.blur()
         page.click("#tv-sweep-btn")
         page.wait_for_function("document.querySelector('#tv-sweep-status').innerText.includes('1 of 7 runs done')",
-                               timeout=120_000)
+                               timeout=300_000)  # a 400-token run and its AR: minutes on a CI machine under load
         page.click("#tv-stop")
         page.wait_for_function("document.querySelector('#tv-sweep-status').innerText.includes('sweep stopped')",
                                timeout=30_000)
