@@ -12,8 +12,8 @@ and can hold the same weight in the other formats torch's CPU kernels read:
   int8    weight-only int8, per-output-channel scales (`aten._weight_int8pack_mm`). Half the bytes of bf16.
   int4    weight-only int4, groupwise scales and zeros (`aten._weight_int4pack_mm_for_cpu`). A quarter of the bytes.
   dyn8    int8 weights (per-output-channel, symmetric) times int8 activations quantised on every call (7-bit
-          codes, one scale per row), summed in int32: fbgemm's dynamic-quantised linear (`quantized.linear_dynamic`, the kernel behind
-          `torch.ao.quantization.quantize_dynamic`; x86 only). The weight-only formats dequantise to fp32, so on a
+          codes, one scale per row), summed in int32: fbgemm's dynamic-quantised linear
+          (`quantized.linear_dynamic`, the kernel behind `torch.ao.quantization.quantize_dynamic`; x86 only). The weight-only formats dequantise to fp32, so on a
           CPU without native bf16 they lose to fp32 at every row count; this one multiplies in int8.
           Quantised formats are for the draft: they change its proposals, never the output (the target decides).
 

@@ -8,9 +8,10 @@ cache_dir()/costs; `recalibrate=True` measures again.
 A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each of CONTEXTS), then time forwards of 1,
 2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/core/kernels.py:
 the formats engine/measure/formats.py kept), fastest of REPEATS (after one discarded warm-up call per path). A path
-CLIMB_LIMIT times the best at a rung is not measured further up (priced at infinity: not competitive, never
+ladder.CLIMB_LIMIT times the best at a rung is not measured further up (priced at infinity: not competitive, never
 guessed), and the other contexts are measured only for the paths that win somewhere at PREFIX. The cache is rolled
-back after each call, so every call sees the same prefix. On CUDA, timing synchronises the device and the only path is torch's own. Where runs replay CUDA
+back after each call, so every call sees the same prefix. On CUDA, timing synchronises the device and the only path
+is torch's own. Where runs replay CUDA
 graphs (engine/core/steps.py) the table is measured through those same steps, one graph per rung
 (engine/capture/packages.py `measure_graphed`): a GPU's eager forwards cost what the host takes to launch them, which
 says nothing about a replay.
@@ -34,14 +35,13 @@ from engine.core import kv
 from engine.core.kernels import PATHS, drop_format, forcing, onednn_bf16, router_of, step_bytes
 from engine.core.runtime import cache_dir, synchronize
 from engine.core.steps import LADDER
-from engine.measure.ladder import interpolate
+from engine.measure.ladder import climb, interpolate
 
 PREFIX = 300
 # Further context lengths measured beside PREFIX (attention's share of a forward grows with the cache), stored in the
 # same file under "contexts" so a table cached before they existed still loads and only they are measured.
 CONTEXTS = (1200,)
 REPEATS = 3
-CLIMB_LIMIT = 2.0  # a path this many times the best at a rung stops climbing the ladder
 CAPTURED = "captured"  # the path name of a model's captured steps in a table (never a kernel route)
 ROUTED = "routed"  # the path name of a model timed as its router sends each linear (a routing per shape group)
 FORMAT = 2  # bump when the meaning of a cached table changes
@@ -177,30 +177,19 @@ def probe_ids(model, count: int) -> torch.Tensor:
 
 def measure(model, paths: list[str], ladder=LADDER, prefix: int = PREFIX, repeats: int = REPEATS
             ) -> dict[str, dict[int, float]]:
-    """Seconds of a forward of each rung's row count over a `prefix`-token cache, per path: the fastest of
-    `repeats` calls, paths interleaved within each rung (drift of the machine hits every path alike; the minimum is
-    kept because interference only ever adds time). A path CLIMB_LIMIT times the best at a rung gets infinity for
-    the rungs above."""
+    """Seconds of a forward of each rung's row count over a `prefix`-token cache, per path, climbed as
+    `ladder.climb` does (fastest of `repeats`, paths interleaved, a clearly losing path stops climbing)."""
     ids = probe_ids(model, prefix + max(ladder))
-    live, seconds = list(paths), {p: {} for p in paths}
+
+    def sample(path: str, rows: int) -> float:
+        with forcing(model, None if path == ROUTED else path):
+            return timed_forward(model, ids, prefix, rows, cache)
+
     with torch.inference_mode():
         cache = filled_cache(model, ids, prefix)
-        for path in live:  # warm-up, discarded: first calls of a path allocate and pick kernels
-            with forcing(model, None if path == ROUTED else path):
-                timed_forward(model, ids, prefix, ladder[0], cache)
-        for rows in ladder:
-            samples = {p: [] for p in live}
-            for _ in range(repeats):
-                for path in live:
-                    with forcing(model, None if path == ROUTED else path):
-                        samples[path].append(timed_forward(model, ids, prefix, rows, cache))
-            for path in live:
-                seconds[path][rows] = min(samples[path])
-            best = min(seconds[p][rows] for p in live)
-            live = [p for p in live if seconds[p][rows] < CLIMB_LIMIT * best]
-    for table in seconds.values():
-        table.update({r: float("inf") for r in ladder if r not in table})
-    return seconds
+        for path in paths:  # warm-up, discarded: first calls of a path allocate and pick kernels
+            sample(path, ladder[0])
+        return climb(paths, ladder, sample, repeats)
 
 
 def filled_cache(model, ids: torch.Tensor, prefix: int):

@@ -7,8 +7,8 @@ them that their weights overflow the last-level cache twice, so the probe stream
 and on the layers outside them (the LM head), one shape group at a time (`kernels.group_of`: every linear of one
 weight shape), at each rung of the ladder:
 
-  * a format stops climbing once it is CLIMB_LIMIT times the best at a rung (what is not measured is priced as not
-    competitive, never guessed);
+  * a format stops climbing once it is ladder.CLIMB_LIMIT times the best at a rung (what is not measured is priced
+    as not competitive, never guessed);
   * a group keeps at most two formats: the one fastest over the tree rungs (2-16 rows, weighted by WEIGHT), and
     the one fastest at one row if it beats that by more than SHARE there (a wide matrix streams fastest unpacked at
     one row and packed above it). So a model's routing changes at one row count at most, and its captured steps are
@@ -33,9 +33,8 @@ from engine.core.kernels import (PATHS, RoutedLinear, available_memory, format_u
                                  router_of, tensor_bytes, tied_weights)
 from engine.core.steps import LADDER
 from engine.measure.costs import machine, model_identity, read_cached, table_file, write_json
-from engine.measure.ladder import interpolate
+from engine.measure.ladder import climb, interpolate
 
-CLIMB_LIMIT = 2.0  # a format this many times the best at a rung is not measured further up the ladder
 SHARE = 1.05  # a second format is kept only where it beats the first by more than this
 REPEATS = 3
 FORMAT = 4  # bump when a cached probe's meaning changes (4: groups by weight shape, formats per shape)
@@ -149,24 +148,20 @@ def _plain_bytes(layer: RoutedLinear) -> int:
 
 def time_formats(layers: list[RoutedLinear], paths: list[str], ladder=LADDER, repeats: int = REPEATS
                  ) -> dict[str, dict[int, float]]:
-    """Seconds of one call of every layer in `layers` on each format, per rung: formats interleaved within a rung,
-    the fastest of `repeats` after a discarded warm-up. A format CLIMB_LIMIT times the best at a rung gets infinity
-    for the rungs above."""
+    """Seconds of one call of every layer in `layers` on each format, per rung, climbed as `ladder.climb` does
+    (fastest of `repeats`, formats interleaved, a clearly losing format stops climbing), after a discarded warm-up
+    per rung."""
     generator = torch.Generator().manual_seed(0)
     dtype = layers[0].weight.dtype
-    live, seconds = list(paths), {p: {} for p in paths}
+    inputs: list[torch.Tensor] = []
+
+    def at_rung(rows: int, live: list[str]) -> None:  # this rung's inputs, and a discarded warm-up per format
+        inputs[:] = [torch.randn(rows, layer.in_features, generator=generator).to(dtype) for layer in layers]
+        for path in live:
+            _sweep(layers, inputs, path)
+
     with torch.inference_mode():
-        for rows in ladder:
-            inputs = [torch.randn(rows, layer.in_features, generator=generator).to(dtype) for layer in layers]
-            for path in live:
-                _sweep(layers, inputs, path)
-            for path in live:
-                seconds[path][rows] = min(_sweep(layers, inputs, path) for _ in range(repeats))
-            best = min(seconds[p][rows] for p in live)
-            live = [p for p in live if seconds[p][rows] < CLIMB_LIMIT * best]
-    for table in seconds.values():
-        table.update({r: float("inf") for r in ladder if r not in table})
-    return seconds
+        return climb(paths, ladder, lambda path, rows: _sweep(layers, inputs, path), repeats, at_rung)
 
 
 def _sweep(layers, inputs, path: str) -> float:
