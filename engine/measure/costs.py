@@ -52,7 +52,8 @@ _STREAM_BYTES = 1 << 30  # streaming-read probe: large enough to defeat every ca
 # what a table is keyed by
 
 
-def _cpu_info() -> dict[str, str]:
+def cpu_info() -> dict[str, str]:
+    """This CPU's model name and instruction-set flags, from /proc/cpuinfo ("unknown" / "" where it does not say)."""
     info = {"name": "unknown", "flags": ""}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -84,7 +85,7 @@ def machine(device: torch.device) -> dict:
     if device.type == "cuda":
         hw = {"gpu": torch.cuda.get_device_name(device)}
     else:
-        cpu = _cpu_info()
+        cpu = cpu_info()
         hw = {"cpu": cpu["name"], "cpu_flags": hashlib.sha256(cpu["flags"].encode()).hexdigest()[:12],
               "cores": os.cpu_count(), "isa": kernel_isa()}
     return {**hw, "device": device.type, "torch": torch.__version__, "threads": torch.get_num_threads()}

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.core.kernels import onednn_bf16
+from engine.measure.costs import cpu_info
 from engine.models.pair import ModelLoadError
 
 
@@ -71,13 +72,9 @@ def cpu_capability() -> str:
 
 def cpu_class() -> str:
     """The class this CPU runs as, for people: "AMX" / "native bf16" / "AVX-512" / "AVX2" (after any emulation)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
     capability = cpu_capability()
     if cpu_has_fast_bf16():
-        return "AMX" if "amx_bf16" in flags else "native bf16"
+        return "AMX" if "amx_bf16" in cpu_info()["flags"].split() else "native bf16"
     return "AVX-512" if capability.startswith("AVX512") else capability.replace("AVX2", "AVX2 only")
 
 
@@ -86,15 +83,8 @@ def machine_label(device: torch.device) -> str:
     measured on, so a page that shows it can say so (CPUs differ more than any setting)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    name = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.partition(":")[2].strip()
-                break
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cores, {cpu_class()}"
+    name = cpu_info()["name"]
+    return f"{'unknown CPU' if name == 'unknown' else name}, {os.cpu_count()} cores, {cpu_class()}"
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
