@@ -6,19 +6,19 @@
 
 TREEVIZ_PAIR=tiny-random works like --pair. The gallery traces and trace uploads work before any model loads.
 On a ZeroGPU Space (SPACES_ZERO_GPU set) the pair is loaded at import time and placed on `cuda`, as ZeroGPU requires;
-decoding then runs inside `spaces.GPU` (treeviz/runs.py).
+decoding then runs inside `spaces.GPU` (treeviz/serving/work.py).
 """
 from __future__ import annotations
 
-from treeviz.gpu import on_zero_gpu  # first: on a Space, `spaces` must be imported before torch
+from treeviz.serving.gpu import on_zero_gpu  # first: on a Space, `spaces` must be imported before torch
 
 import argparse
 import logging
 import os
 
-from treeviz.pairs import GPU_PRESET
-from treeviz.runs import BACKEND
-from treeviz.ui import build_demo, launch_kwargs
+from treeviz.page.ui import build_demo, launch_kwargs
+from treeviz.serving.pairs import GPU_PRESET
+from treeviz.serving.server import SERVER
 
 
 def parse_args(argv=None):
@@ -39,9 +39,9 @@ def parse_args(argv=None):
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    BACKEND.pairs.capture_mode = args.capture
+    SERVER.pairs.capture_mode = args.capture
     if on_zero_gpu():  # ZeroGPU moves what is on `cuda` at startup into each GPU worker: load before launching
-        BACKEND.pairs.load(args.pair, device="cuda")
+        SERVER.pairs.load(args.pair, device="cuda")
     demo = build_demo(initial_pair=args.pair, load_on_start=not args.no_preload and not on_zero_gpu())
     demo.queue(default_concurrency_limit=4)
     demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())

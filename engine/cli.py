@@ -9,7 +9,7 @@ from pathlib import Path
 from engine.core.sampling import Sampling
 from engine.measure.metrics import drift_warning
 from engine.models import PAIRS
-from engine.session import RunSpec, check_spec, split_pair, start_run
+from engine.recipe import RunSpec, check_spec, split_pair, start_run
 from engine.strategies import STRATEGIES, StrategyError
 
 

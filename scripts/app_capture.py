@@ -111,14 +111,14 @@ def main(argv=None) -> None:
 
     from gradio_client import Client
 
-    from treeviz.runs import BACKEND
+    from treeviz.serving.server import SERVER
     demo, port = start_app(args.pair)
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
     prompts = [p for p in load_prompt_set(args.prompt_set) if p["kind"] != "chat"]  # /race takes text prompts here
     report = {"pair": args.pair, "app_up_s": since_start()}
     report.update(first_tree(client, args.pair, prompts[0]["prompt"], args.strategy))
     print(report, flush=True)
-    report.update(wait_for_capture(BACKEND, args.capture_timeout))
+    report.update(wait_for_capture(SERVER, args.capture_timeout))
     print(report, flush=True)
     report["races"] = (browser_races(port, prompts[:args.races]) if args.browser else
                        races(client, args.pair, args.strategy, prompts[:args.races], args.max_new_tokens))

@@ -20,7 +20,7 @@ import torch
 
 from engine.core.sampling import Sampling
 from engine.models import tiny_random_pair
-from engine.session import RunSpec, generate
+from engine.recipe import RunSpec, generate
 from engine.strategies import STRATEGIES
 
 PROMPTS = ["hello world", "def f(x):\n    return", "The quick brown fox jumps over"]

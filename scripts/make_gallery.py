@@ -15,12 +15,14 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.session import RunSpec
+from engine.recipe import RunSpec
 from engine.strategies import STRATEGIES
-from treeviz.errors import UserError
-from treeviz.replay import TRACE_DIR
-from treeviz.runs import BACKEND, BaselineMeasured, Failed, Finished, decode_events
-from treeviz.ui import load_examples
+from treeviz.page.replay import TRACE_DIR
+from treeviz.page.ui import load_examples
+from treeviz.serving.errors import UserError
+from treeviz.serving.events import BaselineMeasured, Failed, Finished
+from treeviz.serving.server import SERVER
+from treeviz.serving.work import decode_events
 
 MIN_TOKENS = 8
 
@@ -50,7 +52,7 @@ PLAN = (
 def run_one(spec: RunSpec):
     """The run with AR beside it, through the run session the app's Run goes through."""
     last = None
-    for event in BACKEND.open("make_gallery", "run").events("", spec.pair, decode_events, spec):
+    for event in SERVER.open("make_gallery", "run").events("", spec.pair, decode_events, spec):
         if isinstance(event, Failed):
             raise UserError(event.message)
         last = event

@@ -19,7 +19,7 @@ from engine.bench.sweep import DEFAULT_POINTS, run_sweep
 from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.models import load_pair
 from engine.models.devices import machine_label
-from engine.session import RunSpec, split_pair
+from engine.recipe import RunSpec, split_pair
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "assets" / "traces" / "sweeps"
 

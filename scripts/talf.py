@@ -37,7 +37,7 @@ import torch
 from engine.core import kv
 from engine.models import ModelPair, tiny_config, tiny_random_model, tiny_tokenizer
 from engine.models.vocab import corpus_files
-from engine.session import RunSpec, generate
+from engine.recipe import RunSpec, generate
 from engine.training.talf import add_lora, load_adapter, target_tree_batch, tree_loss
 
 EVAL_STRATEGIES = ("dynatree", "salf", "eagle2")

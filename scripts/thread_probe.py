@@ -1,8 +1,8 @@
 """How much slower torch's CPU kernels run on a second thread once the main thread has run parallel work.
 
 GNU OpenMP keeps one pool of worker threads per thread that starts parallel work; with two pools on a small machine
-it stops spinning idle workers, and every parallel region wakes them from sleep (treeviz/compute_thread.py says why
-the app therefore does all its model work on one thread). This prints the time of a one-row and an 8-row linear of
+it stops spinning idle workers, and every parallel region wakes them from sleep (treeviz/serving/compute_thread.py says
+why the app therefore does all its model work on one thread). This prints the time of a one-row and an 8-row linear of
 the default draft's MLP shape in three places: a first thread (before the main thread has run any parallel work),
 the main thread, and a thread started after that. With --pair it also decodes one prompt on the main thread and on a
 second thread, alternately.
@@ -47,7 +47,7 @@ def on_thread(fn, *args):
 
 
 def decode_rate(pair, spec) -> float:
-    from engine.session import generate
+    from engine.recipe import generate
     start = time.perf_counter()
     result = generate(pair, spec)
     return result.metrics["new_tokens"] / (time.perf_counter() - start)
@@ -55,8 +55,8 @@ def decode_rate(pair, spec) -> float:
 
 def decode_times(name: str, strategy: str, max_new_tokens: int, rounds: int) -> None:
     from engine.core.prompts import load_prompt_set
-    from engine.session import RunSpec
-    from treeviz.pairs import PairManager
+    from engine.recipe import RunSpec
+    from treeviz.serving.pairs import PairManager
     manager = PairManager()
     manager.load(name)
     pair = manager.ready(name)

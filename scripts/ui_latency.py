@@ -12,8 +12,8 @@ cost of building one streamed update (snapshot + tree, text and metrics row) at 
 
 `--browser` drives the page in headless Chromium (/usr/bin/chromium, Playwright) instead, one Run per prompt of a
 prompt set, and measures how far behind the decoder the page is: the server stamps the end of every iteration and
-of the run (it wraps the runs `treeviz.runs.start_run` builds, to read the clock; nothing else changes), the page
-stamps every change of the run's status line (a MutationObserver), both on this machine's wall clock. Printed per
+of the run (it wraps the runs `treeviz.serving.work.start_run` builds, to read the clock; nothing else changes), the
+page stamps every change of the run's status line (a MutationObserver), both on this machine's wall clock. Printed per
 run: the delay of each streamed update (page shows iteration k minus the decoder finished k) and the final view's
 (page shows the finished run minus the decoder's last token).
 """
@@ -41,7 +41,7 @@ def free_port() -> int:
 
 def start_app(pair: str):
     """The app in this process on a free local port, serving in the background: (demo, port)."""
-    from treeviz.ui import build_demo, launch_kwargs
+    from treeviz.page.ui import build_demo, launch_kwargs
     demo = build_demo(initial_pair=pair)
     demo.queue(default_concurrency_limit=4)
     port = free_port()
@@ -108,23 +108,24 @@ def main(argv=None) -> None:
 def update_cost(args) -> None:
     from functools import partial
 
-    from engine.session import RunSpec
-    from treeviz import runs
-    from treeviz.handlers import RunView
-    from treeviz.runs import BACKEND, PageState, decode_events
-    from treeviz.throttle import BUILD_SHARE, MIN_UPDATE_INTERVAL_S, UpdateThrottle
+    from engine.recipe import RunSpec
+    from treeviz.page.handlers import RunView
+    from treeviz.serving import work
+    from treeviz.serving.events import Iteration
+    from treeviz.serving.server import SERVER, PageState
+    from treeviz.serving.throttle import BUILD_SHARE, MIN_UPDATE_INTERVAL_S, UpdateThrottle
     spec = RunSpec(pair=args.pair, prompt="def f(n):\n", strategy=args.strategy, max_new_tokens=args.max_new_tokens)
-    BACKEND.pairs.ready(args.pair)
-    plain, costs, view = runs.UpdateThrottle, [], RunView(spec, "per iteration", PageState())
-    runs.UpdateThrottle = partial(UpdateThrottle, min_interval=0.0, share=1.0)  # an update at every iteration
+    SERVER.pairs.ready(args.pair)
+    plain, costs, view = work.UpdateThrottle, [], RunView(spec, "per iteration", PageState())
+    work.UpdateThrottle = partial(UpdateThrottle, min_interval=0.0, share=1.0)  # an update at every iteration
     try:
-        for event in decode_events(spec, "ui-latency/run"):
-            if isinstance(event, runs.Iteration):  # what the Run handler builds for one streamed update
+        for event in work.decode_events(spec, "ui-latency/run"):
+            if isinstance(event, Iteration):  # what the Run handler builds for one streamed update
                 t0 = time.perf_counter()
                 view.update(event)
                 costs.append(time.perf_counter() - t0)
     finally:
-        runs.UpdateThrottle = plain
+        work.UpdateThrottle = plain
     print(f"building one streamed update: median {statistics.median(costs) * 1000:.1f} ms, "
           f"max {max(costs) * 1000:.1f} ms over {len(costs)} iterations (sent at most every "
           f"{MIN_UPDATE_INTERVAL_S:.2f} s, and at least {(1 - BUILD_SHARE) / BUILD_SHARE:.0f}x an update's cost apart)")
@@ -151,14 +152,15 @@ class StampedRun:
 @contextmanager
 def stamped_iterations() -> Iterator[list]:
     """While open, every iteration's end and every run's end are stamped on the wall clock: (strategy, "step" or
-    "end", iterations so far, seconds). Wraps the runs treeviz.runs builds (`start_run`), and puts it back after."""
-    from treeviz import runs
-    plain, marks = runs.start_run, []
-    runs.start_run = lambda pair, spec, *rest: StampedRun(plain(pair, spec, *rest), spec.strategy, marks)
+    "end", iterations so far, seconds). Wraps the runs treeviz.serving.work builds (`start_run`), and puts it back
+    after."""
+    from treeviz.serving import work
+    plain, marks = work.start_run, []
+    work.start_run = lambda pair, spec, *rest: StampedRun(plain(pair, spec, *rest), spec.strategy, marks)
     try:
         yield marks
     finally:
-        runs.start_run = plain
+        work.start_run = plain
 
 
 WATCH_STATUS = """() => { window.__seen = [];  // [wall seconds, status text] at every change
@@ -193,7 +195,7 @@ def browser_lag(args) -> None:
     """The page's lag on each prompt of the set (the first one run once more before, to warm up; not reported)."""
     from playwright.sync_api import sync_playwright
     from engine.core.prompts import load_prompt_set
-    from treeviz.ui import DEFAULT_STRATEGY
+    from treeviz.page.ui import DEFAULT_STRATEGY
     prompts = [p for p in load_prompt_set(args.prompt_set) if isinstance(p["prompt"], str)][:args.runs]
     with stamped_iterations() as marks:
         demo, port = start_app(args.pair)

@@ -26,7 +26,7 @@ from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, StaticSteps, causal_visibility
 from engine.measure.costs import CAPTURED, ModelCosts, calibrate_pair
 from engine.models import tiny_random_model, tiny_random_pair
-from engine.session import RunSpec, generate
+from engine.recipe import RunSpec, generate
 from engine.strategies import STRATEGIES
 
 PROMPT = "captured steps, eager steps:"

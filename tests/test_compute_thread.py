@@ -1,25 +1,25 @@
-"""The app's one compute thread (treeviz/compute_thread.py): a run session's work runs every step on that thread,
-one event per request, closes there, and its errors reach the caller; the app's runs decode there."""
+"""The app's one compute thread (treeviz/serving/compute_thread.py): a run session's work runs every step on that
+thread, one event per request, closes there, and its errors reach the caller; the app's runs decode there."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-from treeviz.compute_thread import ComputeThread
+from treeviz.serving.compute_thread import ComputeThread
 
 
 @pytest.fixture(scope="module")
 def backend():
-    from treeviz.runs import Backend
-    backend = Backend()
+    from treeviz.serving.server import Server
+    backend = Server()
     backend.pairs.load("tiny-random")
     return backend
 
 
 def test_a_sessions_work_runs_every_step_on_the_compute_thread_in_lockstep(backend):
-    from treeviz.compute_thread import COMPUTE
-    from treeviz.runs import Progress, Started
+    from treeviz.serving.compute_thread import COMPUTE
+    from treeviz.serving.events import Progress, Started
     log = []
 
     def work(key):
@@ -36,8 +36,8 @@ def test_a_sessions_work_runs_every_step_on_the_compute_thread_in_lockstep(backe
 
 
 def test_closing_a_session_closes_its_work_on_the_compute_thread(backend):
-    from treeviz.compute_thread import COMPUTE
-    from treeviz.runs import Progress
+    from treeviz.serving.compute_thread import COMPUTE
+    from treeviz.serving.events import Progress
     closed_on = []
 
     def work(key):
@@ -53,7 +53,7 @@ def test_closing_a_session_closes_its_work_on_the_compute_thread(backend):
 
 
 def test_errors_reach_the_caller_and_the_thread_goes_on(backend):
-    from treeviz.runs import Failed, Progress
+    from treeviz.serving.events import Failed, Progress
     compute = ComputeThread("test-compute")
 
     def bad():
@@ -74,8 +74,8 @@ def test_errors_reach_the_caller_and_the_thread_goes_on(backend):
 def test_the_apps_runs_decode_on_the_compute_thread(backend):
     """A RunSession steps its model work there (Run, Compare, race and sweep all go through it) under the pair's
     lock, while the wait for the pair and its lock stays in the caller's thread; the lock is let go at the end."""
-    from treeviz.compute_thread import COMPUTE
-    from treeviz.runs import Progress, Started
+    from treeviz.serving.compute_thread import COMPUTE
+    from treeviz.serving.events import Progress, Started
     seen = []
 
     def work(key):

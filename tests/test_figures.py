@@ -11,10 +11,10 @@ import pytest
 from engine.core.reports import LookupReport, SelectorChoice
 from engine.core.trace import IterationRecord, NodeRecord, RunResult, load_run
 from engine.measure.metrics import run_metrics
-from treeviz.charts import charts_figure, throughput_figure
-from treeviz.html import badge_html, metrics_html, token_pieces, tokens_html
-from treeviz.layout import children_map, tidy_layout
-from treeviz.tree_figure import grow_frame, run_frame, tree_figure
+from treeviz.figures.charts import charts_figure, throughput_figure
+from treeviz.figures.html import badge_html, metrics_html, token_pieces, tokens_html
+from treeviz.figures.layout import children_map, tidy_layout
+from treeviz.figures.tree_figure import grow_frame, run_frame, tree_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -225,7 +225,8 @@ def test_text_of_a_trace_without_token_texts_is_shown_whole():
 
 
 def test_figures_do_not_import_torch():
-    code = ("import sys, treeviz.tree_figure, treeviz.charts, treeviz.html, treeviz.layout; "
+    code = ("import sys, treeviz.figures.tree_figure, treeviz.figures.charts, treeviz.figures.html, "
+            "treeviz.figures.layout; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -260,8 +261,8 @@ def test_tree_title_says_when_lookup_drafted_alone():
 def test_labels_fit_their_depth_column_and_the_hover_keeps_the_whole_token():
     """A label longer than a depth column ran into the next column's node: labels are cut to the column pitch
     (ending in "…"), and only the ones that do not fit; the hover still shows the whole token."""
-    from treeviz.stepthrough import stepthrough_figure
-    from treeviz.tree_figure import PLOT_WIDTH_PX, fitted_label, label_chars
+    from treeviz.figures.stepthrough import stepthrough_figure
+    from treeviz.figures.tree_figure import PLOT_WIDTH_PX, fitted_label, label_chars
     long, short = " a_very_long_identifier_name", " x"
     it = make_iteration(n=12, seed=3, texts=[long, short])
     fig = tree_figure(it)

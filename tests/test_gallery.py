@@ -8,8 +8,8 @@ import pytest
 
 from engine.core.trace import SCHEMA_VERSION, load_run
 from scripts import make_gallery
-from treeviz.replay import TRACE_DIR, gallery_label, gallery_rank, gallery_traces
-from treeviz.views import RUN_OUTPUTS, render_views
+from treeviz.page.replay import TRACE_DIR, gallery_label, gallery_rank, gallery_traces
+from treeviz.page.views import RUN_OUTPUTS, render_views
 
 MAX_FILE_KB = 450      # make_gallery's default bound on each file
 MAX_TOTAL_MB = 6       # "a few MB in all"
@@ -91,7 +91,7 @@ def test_every_gallery_speedup_names_the_machine_it_was_measured_on(path):
 
 def test_a_new_run_records_its_machine(related_pair):
     from engine.models.devices import machine_label
-    from engine.session import RunSpec, generate
+    from engine.recipe import RunSpec, generate
     run = generate(related_pair, RunSpec(pair="tiny-random", prompt="ab", strategy="dynatree", max_new_tokens=4))
     assert run.config["machine"] == machine_label(related_pair.device) and "cores" in run.config["machine"]
 

@@ -14,7 +14,7 @@ import torch
 
 from engine.measure.gpu_tables import load
 from engine.models import tiny_random_pair
-from engine.session import RunSpec, generate
+from engine.recipe import RunSpec, generate
 from engine.strategies import STRATEGIES
 from scripts.gpu_check.__main__ import SECTIONS, parse
 from scripts.gpu_check.report import Context, Report, Section, run_sections

@@ -18,7 +18,7 @@ from engine.core.steps import GRAPH_CAPACITY_STEP, StaticSteps, graph_capacity, 
 from engine.measure.costs import LADDER, model_costs
 from engine.models import load_pair, tiny_random_pair
 from engine.models.shapes import SHAPES, shape_config
-from engine.session import RunSpec, generate
+from engine.recipe import RunSpec, generate
 
 DEVICE = os.environ.get("TREEVIZ_TEST_DEVICE", "cpu")
 PROMPT = "def fib(n):\n    return"

@@ -1,8 +1,8 @@
 """GPU cost tables (engine/measure/gpu_tables.py): a written table loads back, a broken one is refused naming its
 field, tables find a run's pair by its models' names, a run's own rows are priced by the table; and the Costs view
-(treeviz/charts.py) shows that prediction for the run on screen, labelled with the GPU and date, or says plainly that
-no table is shipped. Tables are written in a tmp folder by the tests; the runs are real tiny runs and a gallery trace
-of the default pair."""
+(treeviz/figures/charts.py) shows that prediction for the run on screen, labelled with the GPU and date, or says plainly
+that no table is shipped. Tables are written in a tmp folder by the tests; the runs are real tiny runs and a gallery
+trace of the default pair."""
 from __future__ import annotations
 
 import html
@@ -17,9 +17,9 @@ from engine.measure import gpu_tables
 from engine.measure.costs import calibrate_pair
 from engine.measure.gpu_tables import GpuTable, GpuTableError, load, load_tables, parse, predict, save
 from engine.models import tiny_random_pair
-from engine.session import RunSpec, generate
-from treeviz.charts import NO_GPU_TABLE, cost_figure, gpu_note
-from treeviz.views import baseline_views
+from engine.recipe import RunSpec, generate
+from treeviz.figures.charts import NO_GPU_TABLE, cost_figure, gpu_note
+from treeviz.page.views import baseline_views
 
 RUNGS = (1, 2, 4, 8, 16, 32, 64)
 GALLERY = Path(__file__).resolve().parents[1] / "assets" / "traces" / "default_code_dynatree_cpu.json"

@@ -13,9 +13,9 @@ from engine.core.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED
 from engine.decoder import Decoder
 from engine.measure.metrics import calibration, run_metrics
 from engine.strategies import make_strategy
-from treeviz.charts import calibration_figure, cost_figure, cost_rows
-from treeviz.html import visible_token
-from treeviz.inspector import default_node, inspect, inspector_figure, reason
+from treeviz.figures.charts import calibration_figure, cost_figure, cost_rows
+from treeviz.figures.html import visible_token
+from treeviz.figures.inspector import default_node, inspect, inspector_figure, reason
 
 
 # -- records carry the top of p and q ------------------------------------------------------------------------------
@@ -265,7 +265,7 @@ def test_the_metrics_row_says_when_auto_takes_ar_steps_and_why(related_pair, mon
     """The auto preset's verdict reaches the page: 'no tree pays here', with the predicted speeds, c and t(n)."""
     from engine.measure.autosize import AutoSizer
     from engine.measure.costs import LADDER, ModelCosts, PairCosts
-    from treeviz.html import metrics_html
+    from treeviz.figures.html import metrics_html
     monkeypatch.setattr(AutoSizer, "scale", lambda self: (1.0, 1.0))  # the synthetic table as given
     costs = PairCosts(ModelCosts("t", {"plain": {r: 0.01 + 0.001 * r for r in LADDER}}),
                       ModelCosts("d", {"plain": {r: 0.1 for r in LADDER}}))  # a draft step of ten target steps

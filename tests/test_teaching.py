@@ -12,13 +12,14 @@ import pytest
 from engine.bench.sweep import MAX_POINTS, predicted_tokens_per_s, run_sweep, size_values
 from engine.core.trace import IterationCost, IterationRecord, NodeRecord, load_run
 from engine.measure.timeline import accepted_length_counts, parent_entropies, speedup, token_timeline, top_k_entropy
-from engine.session import RunSpec, start_run
-from treeviz.charts_teaching import acceptance_histogram_figure, entropy_sizes
-from treeviz.export import export_html, tree_replay_figure
-from treeviz.html import TOKEN_KIND_STYLE
-from treeviz.race import NOTE, SPEEDS, race_figure, race_lanes, race_summary, wrap_tokens
-from treeviz.stepthrough import GROUP_REJECTED, stepthrough_figure, stepthrough_steps, teaching_iteration, verdict_order
-from treeviz.sweep_figure import sweep_figure
+from engine.recipe import RunSpec, start_run
+from treeviz.figures.charts_teaching import acceptance_histogram_figure, entropy_sizes
+from treeviz.figures.export import export_html, tree_replay_figure
+from treeviz.figures.html import TOKEN_KIND_STYLE
+from treeviz.figures.race import NOTE, SPEEDS, race_figure, race_lanes, race_summary, wrap_tokens
+from treeviz.figures.stepthrough import (GROUP_REJECTED, stepthrough_figure, stepthrough_steps, teaching_iteration,
+                                         verdict_order)
+from treeviz.figures.sweep_figure import sweep_figure
 
 GALLERY = Path(__file__).resolve().parent.parent / "assets" / "traces"
 PROMPT = "The quick brown fox"

@@ -10,8 +10,8 @@ import pytest
 sync_api = pytest.importorskip("playwright.sync_api")
 
 from engine.core.trace import load_run  # noqa: E402
-from engine.session import RunSpec, start_run  # noqa: E402
-from treeviz.export import export_html  # noqa: E402
+from engine.recipe import RunSpec, start_run  # noqa: E402
+from treeviz.figures.export import export_html  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]

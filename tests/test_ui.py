@@ -12,7 +12,7 @@ from gradio_client import Client, handle_file  # noqa: E402
 
 from engine.strategies import STRATEGIES  # noqa: E402
 from test_ui_support import app_url, backend  # noqa: E402
-from treeviz.controls import verifier_choices  # noqa: E402
+from treeviz.page.controls import verifier_choices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # /run and /upload outputs (views.RUN_OUTPUTS), states excluded by the client; /compare adds three more
@@ -111,11 +111,12 @@ def test_a_throttled_stream_still_delivers_every_iteration(monkeypatch):
     from types import SimpleNamespace
 
     from engine.core.trace import load_run
-    from treeviz import handlers, runs
-    from treeviz.throttle import UpdateThrottle
+    from treeviz.page import handlers
+    from treeviz.serving import work
+    from treeviz.serving.throttle import UpdateThrottle
 
     backend()  # the app (and its tiny pair) is up: the handler reads the pair from the process-wide backend
-    monkeypatch.setattr(runs, "UpdateThrottle", partial(UpdateThrottle, min_interval=3600.0))
+    monkeypatch.setattr(work, "UpdateThrottle", partial(UpdateThrottle, min_interval=3600.0))
     outputs = list(handlers.run("def throttled(n):\n", False, "tiny-random", "dynatree", "cpu", 40, 0.0, 1.0, 0, 0,
                                 "auto", {}, "per iteration", SimpleNamespace(session_hash="throttle-session")))
     streamed = [o for o in outputs if "decoding with" in str(o[3])]
@@ -129,7 +130,7 @@ def test_a_throttled_stream_still_delivers_every_iteration(monkeypatch):
 
 
 def test_the_throttle_bounds_the_rate_and_the_share_of_time_updates_take():
-    from treeviz.throttle import UpdateThrottle
+    from treeviz.serving.throttle import UpdateThrottle
     now = [0.0]
     throttle = UpdateThrottle(min_interval=1.0, share=0.1, clock=lambda: now[0])
     assert throttle.due()  # the first update goes at once
@@ -200,10 +201,10 @@ def test_a_run_streams_several_updates(client, monkeypatch):
     is lowered here so that several updates fall inside the run; the app serves in this process)."""
     from functools import partial
 
-    from treeviz import runs
-    from treeviz.throttle import UpdateThrottle
+    from treeviz.serving import work
+    from treeviz.serving.throttle import UpdateThrottle
     # share 0.9: on a loaded machine one update may take 0.1 s, and the default 10 % rule would then wait ~1 s
-    monkeypatch.setattr(runs, "UpdateThrottle", partial(UpdateThrottle, min_interval=0.02, share=0.9))
+    monkeypatch.setattr(work, "UpdateThrottle", partial(UpdateThrottle, min_interval=0.02, share=0.9))
     job = client.submit("def stream(n):\n", False, "tiny-random", "dynatree", "cpu", 256, api_name="/run")
     job.result(timeout=120)
     trees = [o for o in job.outputs() if is_plot(o[TREE]) and tree_nodes(o[TREE]) >= 2]
@@ -285,8 +286,8 @@ def test_stop_cancels_a_run_in_flight_and_the_pair_stays_usable(client):
 def test_a_newer_request_supersedes_only_its_own_view_and_stop_cancels_every_view():
     """A slider released while a race decodes starts a Run: it must not cancel the race (it did, and the race's
     status then stayed at "warming up" for good); a newer race does. Stop cancels everything the session runs."""
-    from treeviz.runs import Backend
-    backend = Backend()
+    from treeviz.serving.server import Server
+    backend = Server()
     race, run, other = backend.open("s1", "race"), backend.open("s1", "run"), backend.open("s2", "run")
     assert not race.cancelled and not run.cancelled and sorted(backend.running("s1")) == ["race", "run"]
     newer_race = backend.open("s1", "race")
@@ -302,8 +303,9 @@ def test_a_newer_request_supersedes_only_its_own_view_and_stop_cancels_every_vie
 def test_a_stopped_session_says_so_and_lets_go_of_the_pair():
     """Stop is the session's flag and nothing else: raised while the work runs, the work sees it between two
     iterations (or the session between two events), the last event is Stopped and the pair's lock is free."""
-    from treeviz.runs import Backend, Progress, Stopped
-    backend = Backend()
+    from treeviz.serving.events import Progress, Stopped
+    from treeviz.serving.server import Server
+    backend = Server()
     backend.pairs.load("tiny-random")
     session = backend.open("s", "run")
 
@@ -325,7 +327,7 @@ def test_preset_and_example_update_controls(client):
     for name, value in paper.items():
         got = values[name]["value"] if isinstance(values[name], dict) else values[name]
         assert got == value, name
-    from treeviz.ui import example_label, load_examples
+    from treeviz.page.ui import example_label, load_examples
     chat = next(e for e in load_examples() if e["kind"] == "chat")
     text, use_chat = client.predict(example_label(chat), api_name="/on_example")
     assert use_chat in (True, {"value": True, "__type__": "update"})
@@ -333,7 +335,7 @@ def test_preset_and_example_update_controls(client):
 
 def test_examples_fall_back_when_prompt_files_are_missing(tmp_path, monkeypatch):
     import engine.core.prompts
-    import treeviz.ui as ui
+    import treeviz.page.ui as ui
     monkeypatch.setattr(engine.core.prompts, "PROMPT_DIR", tmp_path)
     assert ui.load_examples() == ui.FALLBACK_PROMPTS
     (tmp_path / "code.json").write_text("{broken")
@@ -346,9 +348,9 @@ def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
     import time
 
     import engine.models as models
-    import treeviz.pairs as pairs_module
-    from treeviz.errors import UserError
-    from treeviz.pairs import PairManager
+    from treeviz.serving.errors import UserError
+    import treeviz.serving.pairs as pairs_module
+    from treeviz.serving.pairs import PairManager
 
     release = threading.Event()
     real = models.load_pair
@@ -402,8 +404,8 @@ def test_any_rule_by_name_through_the_api(client):
 
 
 def test_ar_cache_keys_on_what_changes_ar_and_stays_bounded():
-    from engine.session import RunSpec
-    from treeviz.ar_cache import ARCache
+    from engine.recipe import RunSpec
+    from treeviz.serving.ar_cache import ARCache
     greedy = RunSpec(pair="tiny-random", prompt="p", strategy="linear", max_new_tokens=8)
     same = RunSpec(pair="tiny-random", prompt="p", strategy="dynatree", max_new_tokens=8, top_p=0.5, seed=7)
     assert ARCache.key("tiny-random", "float32", greedy) == ARCache.key("tiny-random", "float32", same)  # greedy AR
@@ -426,7 +428,8 @@ def test_a_run_reaches_the_decoder_through_at_most_four_generator_frames(monkeyp
     import sys
     from types import SimpleNamespace
 
-    from treeviz import handlers, runs
+    from treeviz.page import handlers
+    from treeviz.serving import work
     backend()  # the app (and its tiny pair) is up
     seen = {}
 
@@ -453,22 +456,22 @@ def test_a_run_reaches_the_decoder_through_at_most_four_generator_frames(monkeyp
         def __getattr__(self, name):
             return getattr(self.run, name)
 
-    plain = runs.start_run
-    monkeypatch.setattr(runs, "start_run", lambda pair, spec, *rest: Watched(plain(pair, spec, *rest), spec.strategy))
+    plain = work.start_run
+    monkeypatch.setattr(work, "start_run", lambda pair, spec, *rest: Watched(plain(pair, spec, *rest), spec.strategy))
     request = SimpleNamespace(session_hash="frames-test")
     list(handlers.run("def frames(n):\n", False, "tiny-random", "linear", "cpu", 6, 0.0, 1.0, 0, 0, "auto", {},
                       "per iteration", request))
     assert seen["linear"] == ["events", "run", "decode_events"], seen
     list(handlers.compare("def frames_compared(n):\n", False, "tiny-random", "linear", "cpu", 6, 0.0, 1.0, 0, 0,
                           "auto", {}, ["fixed"], "per iteration", request))
-    assert seen["ar"] == ["events", "compare", "baseline", "compare_events"], seen  # AR measured first
+    assert seen["ar"] == ["events", "compare", "compare_events"], seen  # AR measured first
     assert all(len(frames) <= 4 for frames in seen.values())
 
 
 def test_the_page_names_each_handlers_inputs_by_its_parameters():
     """Components are declared once, by name (Page's fields): a handler's inputs are the components named by its own
     parameters, a misspelt name fails while the page is built, and an undeclared one says which it is."""
-    from treeviz.page import Page
+    from treeviz.page.components import Page
     page = Page(prompt="the prompt box", chat="the chat switch", scrubber="the scrubber")
 
     def handler(prompt, chat, request=None):

@@ -65,7 +65,7 @@ def click_node(page, status: str) -> None:
 def test_gallery_inspector_and_panels_in_a_real_browser(tmp_path):
     """The first view: a real-model gallery trace with its text; a node click opens the inspector with both
     distributions; the calibration and cost panels draw from the replayed trace (no model involved)."""
-    from treeviz.replay import gallery_traces
+    from treeviz.page.replay import gallery_traces
     default = json.loads(gallery_traces()[0].read_text())
     assert not str(default["config"]["target"]).startswith("tiny"), "the gallery opens on a real-model trace"
     with app_page(tmp_path) as (page, shots, errors):

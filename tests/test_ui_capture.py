@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 import time
 
-from engine.session import RunSpec, generate
-from treeviz.ar_cache import ARCache
-from treeviz.pairs import PairManager
-from treeviz.runs import Backend
+from engine.recipe import RunSpec, generate
+from treeviz.serving.ar_cache import ARCache
+from treeviz.serving.pairs import PairManager
+from treeviz.serving.server import Server
 
 SPEC = RunSpec(pair="tiny-random", prompt="def tree(n):", strategy="dynatree", max_new_tokens=12,
                stop_on_eos=False)
@@ -48,7 +48,7 @@ def test_first_start_serves_eagerly_then_switches_to_captured_steps(tmp_path, mo
     assert list((tmp_path / "captured").glob("*.pt2")), "the packages are on disk for the next start"
 
     # an AR measured eagerly never stands in for the captured one (and the other way round)
-    backend = Backend()
+    backend = Server()
     backend.pairs.loaded_name = "tiny-random"
     off = RunSpec(**{**SPEC.__dict__, "capture": "off"})
     assert backend.ar_key(pair, SPEC) != backend.ar_key(pair, off)

@@ -13,7 +13,7 @@ from gradio_client import Client  # noqa: E402
 
 from test_ui import DOWNLOAD, METRICS, STATUS, plot_data  # noqa: E402
 from test_ui_support import app_url  # noqa: E402
-from treeviz.tree_figure import SOURCE_STYLE  # noqa: E402
+from treeviz.figures.tree_figure import SOURCE_STYLE  # noqa: E402
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
 

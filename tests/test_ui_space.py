@@ -14,10 +14,12 @@ from gradio_client import Client, handle_file  # noqa: E402
 from spaces.zero.gradio import error as zero_gpu_error  # noqa: E402  (how `spaces` builds its errors)
 
 from test_ui_support import app_url, backend  # noqa: E402
-from engine.session import RunSpec  # noqa: E402
-from treeviz import handlers, runs  # noqa: E402
-from treeviz.gpu import is_zero_gpu_error, zero_gpu_message  # noqa: E402
-from treeviz.replay import MAX_TRACE_MB  # noqa: E402
+from engine.recipe import RunSpec  # noqa: E402
+from treeviz.page import handlers  # noqa: E402
+from treeviz.page.replay import MAX_TRACE_MB  # noqa: E402
+from treeviz.serving import work  # noqa: E402
+from treeviz.serving.events import BaselineMeasured, Finished, Iteration  # noqa: E402
+from treeviz.serving.gpu import is_zero_gpu_error, zero_gpu_message  # noqa: E402
 
 STATUS, TREE = 1, 3
 
@@ -29,12 +31,12 @@ def test_decorated_run_work_arguments_and_events_pickle():
     args = (RunSpec(pair="tiny-random", prompt="def f(n):\n", strategy="dynatree", max_new_tokens=40),
             "pickle-session/run")
     pickle.loads(pickle.dumps(args))
-    events = list(runs.decode_events(*args))
+    events = list(work.decode_events(*args))
     for event in events:
         assert type(pickle.loads(pickle.dumps(event))) is type(event)
-    assert isinstance(events[-1], (runs.Finished, runs.BaselineMeasured))
+    assert isinstance(events[-1], (Finished, BaselineMeasured))
     assert events[-1].result.iterations and events[-1].ar.strategy == "ar"  # the run and its AR baseline
-    assert any(isinstance(e, runs.Iteration) for e in events[:-1])  # trees streamed before the end
+    assert any(isinstance(e, Iteration) for e in events[:-1])  # trees streamed before the end
 
 
 def test_decorated_compare_work_arguments_and_events_pickle():
@@ -42,10 +44,10 @@ def test_decorated_compare_work_arguments_and_events_pickle():
     args = (RunSpec(pair="tiny-random", prompt="hello", strategy="linear", max_new_tokens=12), ["linear", "fixed"],
             "pickle-compare/run")
     pickle.loads(pickle.dumps(args))
-    events = list(runs.compare_events(*args))
+    events = list(work.compare_events(*args))
     for event in events:
         pickle.loads(pickle.dumps(event))
-    finished = [e for e in events if isinstance(e, runs.Finished)]
+    finished = [e for e in events if isinstance(e, Finished)]
     assert [e.result.strategy for e in finished] == ["ar", "linear", "fixed"]
 
 
@@ -115,8 +117,8 @@ def test_space_front_matter_matches_the_app():
     requirement line is ZeroGPU's range."""
     from pathlib import Path
 
-    from engine.session import split_pair
-    from treeviz.pairs import GPU_PRESET, HUB_PRESETS
+    from engine.recipe import split_pair
+    from treeviz.serving.pairs import GPU_PRESET, HUB_PRESETS
     root = Path(__file__).resolve().parent.parent
     front = (root / "README.md").read_text().split("---")[1]
     lines = [line.strip() for line in front.splitlines()]

@@ -20,10 +20,10 @@ def free_port() -> int:
 def app_url() -> str:
     """Launch the app once per test process; return its URL."""
     if "url" not in _APP:
-        from treeviz.ui import build_demo, launch_kwargs
-        from treeviz.runs import BACKEND
+        from treeviz.page.ui import build_demo, launch_kwargs
+        from treeviz.serving.server import SERVER
         demo = build_demo(initial_pair="tiny-random")
-        assert BACKEND.pairs.name == "tiny-random"  # the real default pair is never loaded here
+        assert SERVER.pairs.name == "tiny-random"  # the real default pair is never loaded here
         demo.queue(default_concurrency_limit=4)
         port = free_port()
         demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
@@ -34,7 +34,7 @@ def app_url() -> str:
 
 
 def backend():
-    """The app's backend: the process-wide module global the handlers use (treeviz.runs.BACKEND)."""
-    from treeviz.runs import BACKEND
+    """The app's backend: the process-wide module global the handlers use (treeviz.serving.server.SERVER)."""
+    from treeviz.serving.server import SERVER
     app_url()
-    return BACKEND
+    return SERVER

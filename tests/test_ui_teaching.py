@@ -96,7 +96,7 @@ def test_sweep_values_and_progress(client):
 
 
 def test_sweep_refuses_bad_ranges_in_plain_words(client):
-    from treeviz.teaching_handlers import SWEEP_TOKEN_BUDGET
+    from treeviz.page.teaching_handlers import SWEEP_TOKEN_BUDGET
     cases = [(sweep_args("def f():\n", size_min=8, size_max=8), "empty range"),
              (sweep_args("def f():\n", size_min=0, size_max=8), "must stay within"),
              (sweep_args("def f():\n", max_new_tokens=512, size_min=2, size_max=64, points=12),
@@ -136,8 +136,8 @@ def test_stop_ends_a_sweep_and_the_pair_stays_usable(client):
 # -- the record-only panels: a gallery trace, no model -------------------------------------------------------------
 def test_step_through_histogram_entropy_and_html_from_a_gallery_trace(tmp_path):
     from engine.core.trace import load_run
-    from treeviz.teaching_ui import download_html
-    from treeviz.views import iteration_panels, shown_tree
+    from treeviz.page.teaching_ui import download_html
+    from treeviz.page.views import iteration_panels, shown_tree
     run = load_run(GALLERY)
     index = next(i for i, it in enumerate(run.iterations) if it.accepted and it.drafted > it.accepted)
     step, histogram, tree = iteration_panels(run, index, False)
@@ -163,8 +163,9 @@ def test_a_runs_last_update_carries_the_panels_at_the_scrubbed_iteration():
     the user scrubbed to while AR was measured (the page's state), with the tree sized by entropy when the switch is
     on; a fresh Finished shows the last iteration."""
     from engine.core.trace import load_run
-    from treeviz.handlers import RUN_VIEW_OUTPUTS, RunView
-    from treeviz.runs import BaselineMeasured, Finished, PageState
+    from treeviz.page.handlers import RUN_VIEW_OUTPUTS, RunView
+    from treeviz.serving.events import BaselineMeasured, Finished
+    from treeviz.serving.server import PageState
     run, page = load_run(GALLERY), PageState()
     view = RunView(None, "per iteration", page)
     named = dict(zip(RUN_VIEW_OUTPUTS, view.update(Finished(run, None))))

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
-from engine.session import AR, RunSpec, start_run
+from engine.recipe import AR, RunSpec, start_run
 from engine.strategies import STRATEGIES, make_strategy
 
 DEFAULT_POINTS = 6

@@ -32,7 +32,7 @@ from engine.core.trace import RunResult
 from engine.measure.metrics import (DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off,
                                     lookup_work)
 from engine.models import ModelPair
-from engine.session import RunSpec, generate
+from engine.recipe import RunSpec, generate
 from engine.strategies import STRATEGIES, StrategyError
 from engine.verify import Verifier
 

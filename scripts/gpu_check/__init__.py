@@ -13,7 +13,7 @@ schema, ready to copy into assets/gpu/). The sections (their budgets: the SECTIO
   fast   real-shape random models in bf16: eager and graphed cost tables (c, t(n)), capture seconds and memory, a
          graphed one-row step against its summed kernel time, the engine's host time per iteration at ~16 nodes,
          DynaTree end to end against AR on the same one-row graph and against a graphed chain (fast.py).
-  app    the run generators behind the GPU boundary (treeviz/runs.py) driven as a handler drives them, and the
+  app    the run generators behind the GPU boundary (treeviz/serving/work.py) driven as a handler drives them, and the
          ZeroGPU process model: a forked child that alone initialises CUDA (app.py, zerogpu.py).
 
 Contract: every section is timed and guarded (an exception is recorded with its traceback's tail and the next section

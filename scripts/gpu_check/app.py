@@ -1,10 +1,10 @@
 """app: the app's model work behind the GPU boundary, driven as the app drives it, and ZeroGPU's process model.
 
-In this process: treeviz/runs.py's generators (decode_events, compare_events, race_events, sweep_events) each through
-a RunSession of the app's Backend, as the handlers drive them (Run, Compare, Race, Sweep), on the tiny pair and a
+In this process: treeviz/serving/work.py's generators (decode_events, compare_events, race_events, sweep_events) each
+through a RunSession of the app's Server, as the handlers drive them (Run, Compare, Race, Sweep), on the tiny pair and a
 shape pair loaded by the app's PairManager (capture on for CUDA); every event pickled and read back (what crosses
 ZeroGPU's boundary) and each request's seconds beside its `duration` callable's estimate. Where treeviz cannot be
-imported (the GPU machine has no gradio or plotly), the same work runs through the engine (engine.session,
+imported (the GPU machine has no gradio or plotly), the same work runs through the engine (engine.recipe,
 engine.bench.sweep) and the report says that the treeviz layer was skipped and why.
 
 Then zerogpu.py in a fresh process (CUDA never initialised there): a forked child that alone initialises CUDA.
@@ -24,18 +24,18 @@ import traceback
 
 from engine.bench.sweep import run_sweep
 from engine.models import load_pair
-from engine.session import RunSpec, generate, split_pair, start_run
+from engine.recipe import RunSpec, generate, split_pair, start_run
 from scripts.gpu_check.report import tail
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
 PAIRS = ("tiny-random", "shape:pythia-2.8b + shape:pythia-70m")  # the tiny pair and the app's GPU preset's shapes
 QUICK_PAIRS = ("tiny-random",)
-# each request: the generator, its duration callable (treeviz/runs.py), the view its session opens, its good ends
+# each request: its generator and duration callable (treeviz/serving/work.py), the view its session opens, its good ends
 REQUESTS = {
-    "run": ("decode_events", "_run_seconds", "run", ("BaselineMeasured", "Finished")),
-    "compare": ("compare_events", "_compare_seconds", "run", ("Finished",)),
-    "race": ("race_events", "_race_seconds", "race", ("Raced",)),
-    "sweep": ("sweep_events", "_sweep_seconds", "sweep", ("Swept",)),
+    "run": ("decode_events", "run_seconds", "run", ("BaselineMeasured", "Finished")),
+    "compare": ("compare_events", "compare_seconds", "run", ("Finished",)),
+    "race": ("race_events", "race_seconds", "race", ("Raced",)),
+    "sweep": ("sweep_events", "sweep_seconds", "sweep", ("Swept",)),
 }
 
 
@@ -50,7 +50,7 @@ def run(ctx) -> dict:
     tokens = 12 if ctx.quick else 24
     runs, why = treeviz_runs()
     treeviz = (f"skipped: {why}; the same model work ran through the engine, with no duration estimates" if why
-               else "imported: requests ran through treeviz/runs.py")
+               else "imported: requests ran through treeviz/serving/work.py")
     result = {"tokens": tokens, "treeviz": treeviz,
               "gradio_client": gradio_client_note(), "pairs": {}}
     pairs = QUICK_PAIRS if ctx.quick else PAIRS
@@ -68,12 +68,12 @@ def run(ctx) -> dict:
 
 
 def treeviz_runs():
-    """(treeviz.runs, None), or (None, why it cannot be imported: the GPU machine has no gradio)."""
+    """(treeviz.serving.work, None), or (None, why it cannot be imported: the GPU machine has no gradio)."""
     try:
-        from treeviz import runs
+        from treeviz.serving import work as runs
         return runs, None
     except ImportError as err:
-        return None, f"treeviz.runs not importable ({type(err).__name__}: {err})"
+        return None, f"treeviz.serving.work not importable ({type(err).__name__}: {err})"
 
 
 def gradio_client_note() -> str:
@@ -90,14 +90,14 @@ def gradio_client_note() -> str:
 
 def drive_treeviz(runs, spec: RunSpec, device) -> dict:
     """The pair loaded by the app's PairManager, then each request through a RunSession, as its handler runs it."""
-    manager = runs.BACKEND.pairs
+    manager = runs.SERVER.pairs
     manager.capture_mode = "on" if device.type == "cuda" else "off"
     started = time.monotonic()
     manager.load(spec.pair, device=str(device))
     out = {"load_s": time.monotonic() - started, "pair": manager.status()["description"] or manager.status()["error"]}
     for label, args in arguments(spec).items():
         generator, duration, view, good = REQUESTS[label]
-        session = runs.BACKEND.open("gpu-check", view)
+        session = runs.SERVER.open("gpu-check", view)
         estimate = getattr(runs, duration)(*args, session.key)
         started = time.monotonic()
         events = list(session.events(f"gpu check: {label}", spec.pair, getattr(runs, generator), *args))

@@ -19,7 +19,7 @@ import torch
 
 from engine.core.sampling import Sampling
 from engine.models import tiny_random_pair
-from engine.session import RunSpec, generate
+from engine.recipe import RunSpec, generate
 from engine.strategies import STRATEGIES
 from scripts.gpu_check.report import tail
 

@@ -6,10 +6,10 @@ The parent loads each pair on the CPU (a Space loads its pair at import time; Ze
 off the GPU until a request runs), checks that CUDA is not initialised, and forks one child per request
 (multiprocessing "fork", as `spaces.GPU` does). The request's arguments (a RunSpec and the session's key) cross as
 pickle bytes; the child places the pair on the GPU (the first CUDA call of the process tree), turns CUDA graphs on (so
-they are captured inside the child, inside its time slot), runs the Run request's work, treeviz/runs.py
+they are captured inside the child, inside its time slot), runs the Run request's work, treeviz/serving/work.py
 `decode_events` where treeviz imports (else the engine's equivalent: the run, then AR on the same prompt), and sends
 every event back pickled. The parent times the request from the fork to the child's last message, capture and
-placement included, and sets that beside the `duration` callable's estimate (`_run_seconds`: what ZeroGPU would
+placement included, and sets that beside the `duration` callable's estimate (`run_seconds`: what ZeroGPU would
 reserve for it). On a CPU the same runs with the pair left on the CPU, eager.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # availability chec
 import torch  # noqa: E402
 
 from engine.models import load_pair  # noqa: E402
-from engine.session import RunSpec, split_pair  # noqa: E402
+from engine.recipe import RunSpec, split_pair  # noqa: E402
 from scripts.gpu_check.app import PROMPT, engine_run, treeviz_runs  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def work(runs, pair, spec: RunSpec, key: str):
     leaves, the pair now on the GPU), or the engine's equivalent."""
     if runs is None:
         return engine_run(pair, spec)
-    manager = runs.BACKEND.pairs
+    manager = runs.SERVER.pairs
     manager.name = manager.loaded_name = spec.pair
     manager.pair = pair
     return runs.decode_events(spec, key)
@@ -81,7 +81,7 @@ def request(runs, pair, spec: RunSpec, device: str, timeout: float) -> dict:
     out = {"pair": spec.pair, "tokens": spec.max_new_tokens,
            "cuda_initialized_in_parent_before_fork": torch.cuda.is_initialized()}
     if runs is not None:
-        out["duration_estimate_s"] = runs._run_seconds(spec, key)
+        out["duration_estimate_s"] = runs.run_seconds(spec, key)
     payload = pickle.dumps((spec, key))
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)

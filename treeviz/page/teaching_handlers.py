@@ -1,10 +1,11 @@
-"""The Race and the Sweep: the Gradio handlers of the teaching tabs. Like Run and Compare (treeviz/handlers.py), each
-opens a RunSession for its view and turns its typed events into updates in one place.
+"""The Race and the Sweep: the Gradio handlers of the teaching tabs. Like Run and Compare (treeviz/page/handlers.py),
+each opens a RunSession for its view and turns its typed events into updates in one place.
 
-The race decodes AR and each strategy UNOBSERVED (runs.race_events: nothing is drawn while they run, only a status
+The race decodes AR and each strategy UNOBSERVED (work.race_events: nothing is drawn while they run, only a status
 line), back to back in one request, AR measured fresh (never taken from the AR cache), so its speedups are the app's
-fair measurement; treeviz/race.py replays the runs from their measured timestamps. The sweep runs engine.bench.sweep
-(one strategy at several sizes of its size knob, plus AR; runs.sweep_events), the session's flag as its cancel.
+fair measurement; treeviz/figures/race.py replays the runs from their measured timestamps. The sweep runs
+engine.bench.sweep (one strategy at several sizes of its size knob, plus AR; work.sweep_events), the session's flag as
+its cancel.
 
 Race outputs: RACE_OUTPUTS (the runs as state, the race figure, a status line, the summary as JSON); Sweep outputs:
 SWEEP_OUTPUTS (the sweep figure, a status line, the sweep as JSON). API callers read the last value.
@@ -17,14 +18,16 @@ from typing import Any, Iterator
 import gradio as gr
 
 from engine.bench.sweep import DEFAULT_POINTS, MAX_POINTS, size_param, size_values
-from engine.session import AR, RunSpec, check_spec
+from engine.recipe import AR, RunSpec, check_spec
 from engine.strategies import STRATEGIES
-from treeviz.errors import USER_FACING
-from treeviz.handlers import browser_of, ending, spec_from_inputs, status_update
-from treeviz.race import NOTE, race_figure, race_summary, seconds
-from treeviz.runs import BACKEND, Event, Failed, Progress, Raced, Started, Stopped, Swept, race_events, sweep_events
-from treeviz.sweep_figure import sweep_figure
-from treeviz.views import outputs, status_html
+from treeviz.figures.race import NOTE, race_figure, race_summary, seconds
+from treeviz.figures.sweep_figure import sweep_figure
+from treeviz.page.handlers import browser_of, ending, spec_from_inputs, status_update
+from treeviz.page.views import outputs, status_html
+from treeviz.serving.errors import USER_FACING
+from treeviz.serving.events import Event, Failed, Progress, Raced, Started, Stopped, Swept
+from treeviz.serving.server import SERVER
+from treeviz.serving.work import race_events, sweep_events
 
 RACE_OUTPUTS = ("race_runs", "race_plot", "status", "race_summary")
 SWEEP_OUTPUTS = ("sweep_plot", "status", "sweep_summary")
@@ -76,7 +79,7 @@ def race(prompt: str, chat: bool, pair: str, strategies: list[str], max_new_toke
     spec = spec_from_inputs(prompt, chat, pair, AR, "auto", max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, {})
     lanes = race_lanes(spec, strategies)
-    session = BACKEND.open(browser_of(request), "race")
+    session = SERVER.open(browser_of(request), "race")
     opening = f"race: {len(lanes)} lanes on {spec.pair}, decoding unobserved…"
     for event in session.events(opening, spec.pair, race_events, lanes):
         yield race_update(event)
@@ -97,7 +100,7 @@ def race_update(event: Event) -> tuple:
 
 
 def race_json(runs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """treeviz.race's summary, with how it was measured and whether each lane wrote AR's text."""
+    """treeviz.figures.race's summary, with how it was measured and whether each lane wrote AR's text."""
     summary = race_summary(runs)
     for lane, (_, result) in zip(summary["lanes"], sorted(runs, key=lambda item: item[1].strategy != AR)):
         lane["matches_ar"] = bool((result.comparison or {}).get("exact_match"))
@@ -146,7 +149,7 @@ def sweep(prompt: str, chat: bool, pair: str, strategy: str, preset: str, params
     spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, params)
     values = sweep_values(spec, size_min, size_max, points)
-    session = BACKEND.open(browser_of(request), "sweep")
+    session = SERVER.open(browser_of(request), "sweep")
     for event in session.events(f"sweep: {spec.strategy} at {values} and AR…", spec.pair, sweep_events, spec, values):
         yield sweep_update(event)
 

@@ -16,12 +16,12 @@ import plotly.graph_objects as go
 
 from engine.core.trace import RunResult
 from engine.measure import gpu_tables
-from treeviz.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
-from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
-from treeviz.html import badge_html, metrics_html, metrics_rows, tokens_html
-from treeviz.inspector import inspect
-from treeviz.stepthrough import stepthrough_figure
-from treeviz.tree_figure import run_frame, tree_figure
+from treeviz.figures.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
+from treeviz.figures.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
+from treeviz.figures.html import badge_html, metrics_html, metrics_rows, tokens_html
+from treeviz.figures.inspector import inspect
+from treeviz.figures.stepthrough import stepthrough_figure
+from treeviz.figures.tree_figure import run_frame, tree_figure
 
 # the view components, in this order, after the run state, AR state, scrubber, status and download in every handler's
 # outputs (RUN_OUTPUTS); handlers name the values they change and `outputs` fills the rest with "unchanged"

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 
 from engine.core.trace import TOP_K, IterationRecord, RunResult
 from engine.measure.timeline import accepted_length_counts, parent_entropies
-from treeviz.charts import SERIES_COLORS
+from treeviz.figures.charts import SERIES_COLORS
 
 MAX_ENTROPY = math.log(TOP_K + 1)  # the largest a top-10 list with its rest lumped can reach
 ENTROPY_NOTE = "entropy of the draft's top-10 q at the node's parent (the rest lumped: a lower bound)"

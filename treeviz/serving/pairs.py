@@ -1,5 +1,5 @@
 """The model pair: at most one loaded at a time, loaded in a background thread (on CPU), with the lock that
-serialises decoding on it. Pair names are engine.session's (`split_pair`); the hub presets are the app's."""
+serialises decoding on it. Pair names are engine.recipe's (`split_pair`); the hub presets are the app's."""
 from __future__ import annotations
 
 import atexit
@@ -15,10 +15,10 @@ from engine.core.runtime import cache_dir
 from engine.models import PAIRS, load_pair
 from engine.models.build_guard import process_rss
 from engine.models.builder import EXIT_DECLINED, build_request, start_builder
-from engine.session import AR, RunSpec, split_pair, start_run
-from treeviz.compute_thread import COMPUTE
-from treeviz.errors import UserError, friendly_error
-from treeviz.gpu import on_zero_gpu
+from engine.recipe import AR, RunSpec, split_pair, start_run
+from treeviz.serving.compute_thread import COMPUTE
+from treeviz.serving.errors import UserError, friendly_error
+from treeviz.serving.gpu import on_zero_gpu
 
 log = logging.getLogger("treeviz")
 

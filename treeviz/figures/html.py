@@ -120,7 +120,7 @@ def output_match_html(comparison: dict[str, Any], sampled: bool) -> str:
 
 
 def ar_source_text(comparison: dict[str, Any] | None) -> str:
-    """Where the AR figure beside a run came from (runs.Backend records it with the comparison): measured for this
+    """Where the AR figure beside a run came from (serving.Server records it with the comparison): measured for this
     run, or reused from the AR cache, measured when and how long before; "" for a comparison that does not say."""
     if not comparison or comparison.get("ar_measured_at") is None:
         return ""

@@ -4,7 +4,7 @@ Built from one IterationRecord alone (a gallery trace plays it with no model loa
 draft forward proposed which node, so the tree grows by depth: one step per level, which is one draft forward per
 level for the level-by-level strategies and a regrouping for the others (the captions say so). The verdicts follow
 the order the verification walks the tree: down the accepted path, at each accepted node its drafted children by
-draft rank, then the bonus; every caption says why, in the node inspector's words (treeviz.inspector.reason).
+draft rank, then the bonus; every caption says why, in the node inspector's words (treeviz.figures.inspector.reason).
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import plotly.graph_objects as go
 
 from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, IterationRecord, NodeRecord, RunResult
-from treeviz.html import visible_token
-from treeviz.inspector import reason
-from treeviz.tree_figure import (COLORSCALE, EDGE_STYLE, LABEL_FONT, LABEL_HALO, Q_RANGE, STATUS_STYLE, UNSCORED_FILL,
-                                 fitted_label, iteration_layout, label_chars, run_frame)
+from treeviz.figures.html import visible_token
+from treeviz.figures.inspector import reason
+from treeviz.figures.tree_figure import (COLORSCALE, EDGE_STYLE, LABEL_FONT, LABEL_HALO, Q_RANGE, STATUS_STYLE,
+                                         UNSCORED_FILL, fitted_label, iteration_layout, label_chars, run_frame)
 
 GROUP_REJECTED = 4  # more rejected siblings than this under one parent: one step for all of them
 CURRENT_COLOR = "#e74c3c"

@@ -13,9 +13,9 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from engine.core.trace import IterationRecord, RunResult
-from treeviz.race import NOTE, race_figure
-from treeviz.stepthrough import stepthrough_figure, teaching_iteration
-from treeviz.tree_figure import label_chars, run_frame, tree_figure, tree_traces
+from treeviz.figures.race import NOTE, race_figure
+from treeviz.figures.stepthrough import stepthrough_figure, teaching_iteration
+from treeviz.figures.tree_figure import label_chars, run_frame, tree_figure, tree_traces
 
 MAX_REPLAY_FRAMES = 200  # a page for class, not an archive: longer runs keep their first iterations
 
@@ -66,7 +66,8 @@ def teaching_html(race_runs: Sequence[tuple[str, RunResult]] | None, run: RunRes
                   iteration: IterationRecord | None = None, title: str = "treeviz: speculative decoding, in class"
                   ) -> str:
     """One self-contained page: the race (when race_runs are given), `iteration` of `run` step by step (default: the
-    treeviz.stepthrough.teaching_iteration's choice) and the replay of `run`'s trees. plotly.js is inlined once."""
+    treeviz.figures.stepthrough.teaching_iteration's choice) and the replay of `run`'s trees. plotly.js is inlined
+    once."""
     sections: list[tuple[str, str, go.Figure]] = []
     if race_runs:
         sections.append(("tv-race", f"The race ({NOTE})", race_figure(race_runs)))

@@ -21,7 +21,7 @@ from plotly.subplots import make_subplots
 from engine.core.trace import RunResult
 from engine.measure.gpu_tables import GpuTable, Prediction, find, predict
 from engine.measure.metrics import DRIFT_TOLERANCE, calibration, cost_drift, drift_off
-from treeviz.html import ar_source_text
+from treeviz.figures.html import ar_source_text
 
 # -- per-run charts ------------------------------------------------------------------------------------------------
 STAGE_COLORS = {"draft": "#f39c12", "build": "#9b59b6", "verify": "#2980b9", "commit": "#7f8c8d", "other": "#bdc3c7"}

@@ -1,9 +1,10 @@
 """The teaching sections of the page: the Race, Step through and Sweep tabs, the acceptance-length
 histograms, the "size nodes by draft entropy" switch and the Download HTML button; each builder adds its components
-to the page (treeviz/page.py's `Page`; treeviz/ui.py calls them inside its layout), `wire` connects them.
+to the page (treeviz/page/components.py's `Page`; treeviz/page/ui.py calls them inside its layout), `wire` connects
+them.
 
-Models are touched only by the Race and Sweep handlers (treeviz/teaching_handlers.py); everything else here reads the
-shown run's records, so a gallery trace shows it with no model loaded.
+Models are touched only by the Race and Sweep handlers (treeviz/page/teaching_handlers.py); everything else here reads
+the shown run's records, so a gallery trace shows it with no model loaded.
 """
 from __future__ import annotations
 
@@ -19,15 +20,15 @@ import plotly.graph_objects as go
 
 from engine.bench.sweep import DEFAULT_POINTS, MAX_POINTS
 from engine.strategies import STRATEGIES
-from treeviz import teaching_handlers
-from treeviz.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure
-from treeviz.export import export_html
-from treeviz.handlers import browser_of
-from treeviz.page import SHOWN, Page
-from treeviz.replay import TRACE_DIR
-from treeviz.runs import BACKEND
-from treeviz.sweep_figure import sweep_figure
-from treeviz.views import empty_figure, iteration_panels, shown_tree, status_html
+from treeviz.figures.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure
+from treeviz.figures.export import export_html
+from treeviz.figures.sweep_figure import sweep_figure
+from treeviz.page import teaching_handlers
+from treeviz.page.components import SHOWN, Page
+from treeviz.page.handlers import browser_of
+from treeviz.page.replay import TRACE_DIR
+from treeviz.page.views import empty_figure, iteration_panels, shown_tree, status_html
+from treeviz.serving.server import SERVER
 
 log = logging.getLogger("treeviz")
 SWEEP_DIR = TRACE_DIR / "sweeps"
@@ -162,7 +163,7 @@ def with_frames(event, plot, elem_id: str) -> Any:
 
 def follow(page: Page, event) -> Any:
     """After `event` shows another iteration or a replayed run (no models): the step-through, the histogram, the
-    entropy tree. A Run or Compare carries these panels in its own last update (treeviz/handlers.py)."""
+    entropy tree. A Run or Compare carries these panels in its own last update (treeviz/page/handlers.py)."""
     panels = event.then(iteration_panels, page.inputs(iteration_panels, **SHOWN),
                         [page.step_plot, page.acceptance, page.tree], show_progress="hidden", queue=False,
                         api_visibility="private")
@@ -172,7 +173,7 @@ def follow(page: Page, event) -> Any:
 def entropy_switched(run, index: Any, entropy: bool, request: gr.Request) -> go.Figure:
     """The entropy switch: the shown tree re-drawn, and the switch kept as the page's state (a running Run's last
     update draws its tree the same way)."""
-    BACKEND.page(browser_of(request)).entropy = bool(entropy)
+    SERVER.page(browser_of(request)).entropy = bool(entropy)
     return shown_tree(run, index, entropy)
 
 

@@ -1,11 +1,11 @@
 """The Gradio handlers that touch models, Run and Compare, plus Stop: each turns its RunSession's typed events
-(treeviz/runs.py) into component updates, in one place per handler (`RunView`, `CompareView`).
+(treeviz/serving/events.py) into component updates, in one place per handler (`RunView`, `CompareView`).
 
 A handler validates its inputs, opens a session for its view (a newer one of the same browser session and view
-supersedes it) and renders every event the session emits; the model work and the GPU boundary are in runs.py. Stop
-raises the session's flag: the run ends between two iterations and its last event says so. The last update of a Run
-or Compare carries every view and the teaching panels, at the iteration the user scrubbed to meanwhile (the page's
-state in runs.Backend.page), so nothing re-renders after a run.
+supersedes it) and renders every event the session emits; the model work and the GPU boundary are in
+treeviz/serving/work.py. Stop raises the session's flag: the run ends between two iterations and its last event says so.
+The last update of a Run or Compare carries every view and the teaching panels, at the iteration the user scrubbed to
+meanwhile (the page's state in serving.server.SERVER.page), so nothing re-renders after a run.
 
 Run outputs, in order: RUN_VIEW_OUTPUTS (views.RUN_OUTPUTS, then the teaching panels); Compare outputs:
 COMPARE_OUTPUTS (views.RUN_OUTPUTS, COMPARE_EXTRA, then the panels). Handlers name what they change (`views.outputs`).
@@ -16,17 +16,18 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from engine.session import AR, RunSpec
+from engine.recipe import AR, RunSpec
 from engine.strategies import STRATEGIES
-from treeviz.charts import calibration_figure
-from treeviz.charts_teaching import acceptance_histogram_figure
-from treeviz.html import ar_source_text
-from treeviz.runs import (BACKEND, BaselineMeasured, Event, Failed, Finished, Iteration, PageState, Progress, Started,
-                          Stopped, compare_events, decode_events)
-from treeviz.tree_figure import grow_frame, small_multiples
-from treeviz.views import (MEASURING_BADGE, PANEL_NAMES, PENDING_BADGE, RUN_OUTPUTS, compare_row, compare_table,
-                           last_index, outputs, render_views, run_summary, save_trace, shown_run, status_html,
-                           streamed_views)
+from treeviz.figures.charts import calibration_figure
+from treeviz.figures.charts_teaching import acceptance_histogram_figure
+from treeviz.figures.html import ar_source_text
+from treeviz.figures.tree_figure import grow_frame, small_multiples
+from treeviz.page.views import (MEASURING_BADGE, PANEL_NAMES, PENDING_BADGE, RUN_OUTPUTS, compare_row, compare_table,
+                                last_index, outputs, render_views, run_summary, save_trace, shown_run, status_html,
+                                streamed_views)
+from treeviz.serving.events import BaselineMeasured, Event, Failed, Finished, Iteration, Progress, Started, Stopped
+from treeviz.serving.server import SERVER, PageState
+from treeviz.serving.work import compare_events, decode_events
 
 RUN_VIEW_OUTPUTS = RUN_OUTPUTS + PANEL_NAMES
 COMPARE_EXTRA = ("compare_table", "compare_plot", "compare_calibration", "compare_histogram")
@@ -86,7 +87,7 @@ def run(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_
     spec = spec_from_inputs(prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k, seed,
                             verifier, params)
     browser = browser_of(request)
-    session, view = BACKEND.open(browser, "run"), RunView(spec, stage_mode, BACKEND.page(browser))
+    session, view = SERVER.open(browser, "run"), RunView(spec, stage_mode, SERVER.page(browser))
     for event in session.events(f"starting {spec.strategy} on {spec.pair}…", spec.pair, decode_events, spec):
         yield view.update(event)
 
@@ -172,7 +173,7 @@ def run_status(result) -> str:
 def stop(request: gr.Request) -> str:
     """Stop button: raise the flag of every session this browser session runs (Run, Compare, race, sweep); each
     ends between two iterations and says so in its own status line."""
-    views = BACKEND.stop(browser_of(request))
+    views = SERVER.stop(browser_of(request))
     if not views:
         gr.Info("Nothing is running.")
         return gr.skip()
@@ -191,7 +192,7 @@ def compare(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_
     if not methods:
         raise gr.Error("Tick at least one strategy to compare with AR.")
     browser = browser_of(request)
-    session, view = BACKEND.open(browser, "run"), CompareView(stage_mode, BACKEND.page(browser))
+    session, view = SERVER.open(browser, "run"), CompareView(stage_mode, SERVER.page(browser))
     for event in session.events("comparing: measuring AR first…", spec.pair, compare_events, spec, methods):
         yield view.update(event)
     if view.complete:  # the last value carries the comparison: an API caller reads only the last

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from engine.core.trace import RunResult
 from engine.measure.metrics import compare_outputs
-from engine.session import RunSpec
+from engine.recipe import RunSpec
 
 
 @dataclass

@@ -13,8 +13,8 @@ from plotly.subplots import make_subplots
 
 from engine.core.reports import SelectorChoice
 from engine.core.trace import IterationRecord, NodeRecord
-from treeviz.html import visible_token
-from treeviz.layout import extent, tidy_layout
+from treeviz.figures.html import visible_token
+from treeviz.figures.layout import extent, tidy_layout
 
 COLORSCALE = "Viridis"
 Q_RANGE = (0.0, 1.0)

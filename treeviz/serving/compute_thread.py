@@ -9,10 +9,10 @@ docs/experiments/design-measurements.md). Gradio steps a streaming handler in wh
 free, and each worker that ever ran a kernel keeps its pool, so without this module a run is slow whenever a step
 lands on another worker.
 
-So every model call the app makes runs on this one thread: a run session (treeviz/runs.py) asks it for each event of
-its model work in turn, `call(next, work)`, exactly as if the handler stepped the work itself: the decoder still
-pauses while the handler draws the event, and a `with` block in the work (inference mode, say, which is per thread)
-opens and closes on one thread.
+So every model call the app makes runs on this one thread: a run session (treeviz/serving/session.py) asks it for each
+event of its model work in turn, `call(next, work)`, exactly as if the handler stepped the work itself: the decoder
+still pauses while the handler draws the event, and a `with` block in the work (inference mode, say, which is per
+thread) opens and closes on one thread.
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """The Gradio app: a live draft-tree explorer. `build_demo` lays out the page section by section and wires the
-events; the handlers that touch models live in treeviz/handlers.py, the views in treeviz/views.py, the page's Markdown,
-CSS and JavaScript in treeviz/static/.
+events; the handlers that touch models live in treeviz/page/handlers.py, the views in treeviz/page/views.py, the page's
+Markdown, CSS and JavaScript in treeviz/page/static/.
 
 API (gradio_client): /run takes prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k,
 seed, verifier, params (a dict of the strategy's parameters by name), stage_mode; /compare takes the same plus
 methods and stage_mode; /stop, /scrub, /inspect (a node of the shown iteration), /upload, /gallery. The teaching
-tabs (treeviz/teaching_ui.py): /race takes prompt, chat, pair, strategies, max_new_tokens, temperature, top_p, top_k,
-seed, verifier; /sweep takes prompt, chat, pair, strategy, preset, params, max_new_tokens, size_min, size_max, points
-and the same sampling settings (treeviz/teaching_handlers.py).
+tabs (treeviz/page/teaching_ui.py): /race takes prompt, chat, pair, strategies, max_new_tokens, temperature, top_p,
+top_k, seed, verifier; /sweep takes prompt, chat, pair, strategy, preset, params, max_new_tokens, size_min, size_max,
+points and the same sampling settings (treeviz/page/teaching_handlers.py).
 """
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ import gradio as gr
 from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.strategies import STRATEGIES
 from engine.verify import VERIFIERS
-from treeviz import handlers, teaching_ui
-from treeviz.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
-from treeviz.controls import ParamControls, verifier_options
-from treeviz.html import badge_html, token_legend_html, tokens_html
-from treeviz.inspector import inspect, inspector_figure, inspector_html
-from treeviz.pairs import pair_choices
-from treeviz.replay import gallery_label, gallery_traces, replay
-from treeviz.runs import BACKEND
-from treeviz.tree_figure import tree_figure
-from treeviz.page import RUN_RENAMED, SHOWN, Page
-from treeviz.views import RUN_OUTPUTS, VIEW_NAMES, render_views, status_html
+from treeviz.figures.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
+from treeviz.figures.html import badge_html, token_legend_html, tokens_html
+from treeviz.figures.inspector import inspect, inspector_figure, inspector_html
+from treeviz.figures.tree_figure import tree_figure
+from treeviz.page import handlers, teaching_ui
+from treeviz.page.components import RUN_RENAMED, SHOWN, Page
+from treeviz.page.controls import ParamControls, verifier_options
+from treeviz.page.replay import gallery_label, gallery_traces, replay
+from treeviz.page.views import RUN_OUTPUTS, VIEW_NAMES, render_views, status_html
+from treeviz.serving.pairs import pair_choices
+from treeviz.serving.server import SERVER
 
 log = logging.getLogger("treeviz")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -44,7 +44,7 @@ FALLBACK_PROMPTS = [
 
 
 def static_text(name: str) -> str:
-    """A file of treeviz/static: the "How to read this" Markdown, the page's CSS, its JavaScript (node clicks)."""
+    """A file of treeviz/page/static: the "How to read this" Markdown, the page's CSS, its JavaScript (node clicks)."""
     return (STATIC_DIR / name).read_text(encoding="utf-8")
 
 
@@ -71,7 +71,7 @@ def example_label(e: dict) -> str:
 
 
 def model_status_html() -> str:
-    st = BACKEND.pairs.status()
+    st = SERVER.pairs.status()
     if st["error"]:
         return status_html(f"models ({st['name']}): {st['error']}", error=True)
     if st["loading"]:
@@ -245,16 +245,16 @@ def show_iteration(run, ar, index, stage_mode, node, request: gr.Request = None)
     the page's state: a Run whose AR is still being measured ends on it."""
     if run is None:  # nothing to show yet: leave the views alone
         return [gr.skip()] * len(VIEW_NAMES)
-    BACKEND.page(handlers.browser_of(request)).shown = None if index is None else int(index)
+    SERVER.page(handlers.browser_of(request)).shown = None if index is None else int(index)
     views = render_views(run, ar, index, stage_mode, node)
     return [views[name] for name in VIEW_NAMES]
 
 
 def inspect_node(run, index, node_id, request: gr.Request = None):
-    """The node inspector (treeviz/inspector.py `inspect`), the node kept as the page's state like the scrubbed
+    """The node inspector (treeviz/figures/inspector.py `inspect`), the node kept as the page's state like the scrubbed
     iteration."""
     shown = inspect(run, index, node_id)
-    BACKEND.page(handlers.browser_of(request)).node = shown[0]
+    SERVER.page(handlers.browser_of(request)).node = shown[0]
     return shown
 
 
@@ -277,7 +277,7 @@ def _wire_controls(page: Page, examples: list[dict]) -> None:
 
     def on_pair(name):
         if name:
-            BACKEND.pairs.request(str(name))
+            SERVER.pairs.request(str(name))
         return model_status_html()
 
     groups = list(page.controls.groups.values())
@@ -296,7 +296,7 @@ def _wire_controls(page: Page, examples: list[dict]) -> None:
 def build_demo(initial_pair: str = "default", load_on_start: bool = True) -> gr.Blocks:
     examples = load_examples()
     if load_on_start:
-        BACKEND.pairs.request(initial_pair)
+        SERVER.pairs.request(initial_pair)
     page = Page()
     with gr.Blocks(title="treeviz: speculative decoding draft trees") as demo:
         page.demo = demo

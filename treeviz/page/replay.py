@@ -7,9 +7,9 @@ from pathlib import Path
 import gradio as gr
 
 from engine.core.trace import RunResult, TraceError, load_run
-from treeviz.views import last_index, outputs, render_views, status_html
+from treeviz.page.views import last_index, outputs, render_views, status_html
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRACE_DIR = ROOT / "assets" / "traces"
 MAX_TRACE_MB = 20  # a 512-token run with 256-node trees is ~15 MB; anything larger is not worth parsing
 

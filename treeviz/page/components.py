@@ -1,7 +1,7 @@
 """The page's components, declared once, by name and type, in one object (`Page`).
 
-The section builders (treeviz/ui.py, treeviz/teaching_ui.py) fill in its fields while they lay the page out; the
-wiring runs after the whole layout, so no builder depends on another's order. A handler's inputs are named by its
+The section builders (treeviz/page/ui.py, treeviz/page/teaching_ui.py) fill in its fields while they lay the page out;
+the wiring runs after the whole layout, so no builder depends on another's order. A handler's inputs are named by its
 own parameters (`Page.inputs`: the API keeps those names), and its outputs by the names its module declares
 (`Page.outputs`). Nothing is matched by hand. A misspelt name fails when the page is built, not when it is clicked
 (slots).
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import gradio as gr
 
-from treeviz.controls import ParamControls
+from treeviz.page.controls import ParamControls
 
 
 @dataclass(slots=True)
@@ -119,7 +119,7 @@ class Page:
         return tuple(f.name for f in fields(cls))
 
 
-# the run views' output names (treeviz/views.py) whose component has a longer name on the page
+# the run views' output names (treeviz/page/views.py) whose component has a longer name on the page
 RUN_RENAMED = {"run": "run_state", "ar": "ar_state", "status": "run_status"}
 # the parameter names of the functions that show the run on the page (scrub, inspect, panels) -> their components
 SHOWN = {"run": "run_state", "ar": "ar_state", "index": "scrubber", "node_id": "node"}

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 
 from engine.core.trace import RunResult
 from engine.measure.timeline import decode_time, speedup, token_timeline
-from treeviz.html import TOKEN_KIND_STYLE
+from treeviz.figures.html import TOKEN_KIND_STYLE
 
 AR = "ar"
 NOTE = "each lane warmed up, then decoded unobserved; replayed from measured timestamps"

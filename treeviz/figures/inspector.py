@@ -14,8 +14,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, IterationRecord, NodeRecord, RunResult
-from treeviz.html import visible_token
-from treeviz.tree_figure import STATUS_STYLE, node_status
+from treeviz.figures.html import visible_token
+from treeviz.figures.tree_figure import STATUS_STYLE, node_status
 
 Q_COLOR, P_COLOR, PICKED_COLOR = "#f39c12", "#2980b9", "#c0392b"
 RATIO_TOLERANCE = 2e-3  # recorded probabilities carry 4 significant digits
