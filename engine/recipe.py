@@ -13,6 +13,7 @@ from typing import Any
 from engine.core.sampling import Sampling
 from engine.core.trace import RunResult
 from engine.decoder import Decoder, DecodeRun
+from engine.measure.autosize import auto_sizing
 from engine.models import PAIRS
 from engine.strategies import make_strategy
 from engine.verify import Verifier, make_verifier
@@ -89,7 +90,9 @@ def make_decoder(pair, spec: RunSpec, verifier: Verifier | None = None) -> Decod
     """`verifier` overrides the spec's rule with an instance (scripts wrap rules to record what they accept)."""
     strategy = make_strategy(spec.strategy, spec.preset, **spec.params)
     rule = verifier if verifier is not None and spec.strategy != AR else make_rule(spec)
-    return Decoder(pair, strategy, verifier=rule, sampling=spec.sampling(), steps=spec.steps, capture=spec.capture)
+    plugins = (auto_sizing,) if strategy.auto else ()  # the "auto" preset: its sizer resizes the tree every iteration
+    return Decoder(pair, strategy, verifier=rule, sampling=spec.sampling(), steps=spec.steps, capture=spec.capture,
+                   plugins=plugins)
 
 
 def start_run(pair, spec: RunSpec, verifier: Verifier | None = None) -> DecodeRun:

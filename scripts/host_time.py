@@ -25,7 +25,7 @@ import torch
 
 from engine.capture.packages import prepare_capture
 from engine.core.steps import DynamicSteps, StaticSteps
-from engine.decoder import Decoder
+from engine.decoder import Decoder, DecodeRun
 from engine.measure.costs import calibrate_pair
 from engine.models import tiny_random_pair
 from engine.strategies import make_strategy
@@ -71,7 +71,7 @@ def measure(pair, strategy: str, params: dict, iterations: int, capture: str) ->
     decoder.generate(PROMPT, max_new_tokens=16, stop_on_eos=False)  # warm-up
     host, total, nodes, complete = [], [], [], []
     run = decoder.run(PROMPT, max_new_tokens=iterations * 4, stop_on_eos=False)
-    with Clock(STEPS + [(Decoder, "complete")]) as clock:
+    with Clock(STEPS + [(DecodeRun, "complete")]) as clock:
         steps, done = 0.0, 0.0
         for record in run:
             total.append(record.times["total"])

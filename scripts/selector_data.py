@@ -55,19 +55,22 @@ class Cover(Strategy):
     name, label, summary = "cover", "Selector cover tree", "every (K, L1, L2) delayed tree at once"
     child_mode = "iid"
     presets = {"cpu": {}}
-    wants_features = True
+    sample = None  # the latest tree's (features, cover, first draft forward's rows, costs)
 
-    def reset(self) -> None:
-        self.sample = None
+    def begin(self, run) -> None:
+        self.taps = neural.FeatureTaps.of_run(run)
+
+    def after_target(self, logits, row: int) -> None:
+        self.taps.after_target(logits, row)
 
     def build(self, drafter, tree) -> None:
         root = drafter.expand([0])[0]
         tree.child_dist[0], tree.child_mode[0] = root, "iid"
-        features = drafter.taps.features(drafter, root)
+        features = self.taps.features(drafter, root)
         draw = lambda dist, count: torch.multinomial(dist, count, replacement=True,  # noqa: E731
                                                      generator=drafter.generator).tolist()
         cover = selector_train.grow_cover(drafter, tree, draw)
-        self.sample = (features, cover, drafter.row_counts[0], drafter.taps.costs)
+        self.sample = (features, cover, drafter.row_counts[0], self.taps.costs)
 
 
 def compact(tree, p_rows: torch.Tensor, top: int = TOP) -> tuple[dict, dict, list[int]]:
@@ -102,8 +105,13 @@ def compact(tree, p_rows: torch.Tensor, top: int = TOP) -> tuple[dict, dict, lis
 class Recording(SpecInfer):
     """SpecInfer that first turns the iteration's cover tree into each action's estimated block efficiency."""
 
-    def __init__(self, strategy: Cover, rows: list):
-        self.strategy, self.rows = strategy, rows
+    def __init__(self, rows: list):
+        self.strategy: Cover | None = None  # the run's own Cover (`follow`)
+        self.rows = rows
+
+    def follow(self, run) -> None:
+        """A run plug-in (engine/decoder.py Decoder.plugins) that only points this rule at the run's Cover."""
+        self.strategy = run.strategy
 
     def verify(self, tree, logits, sampling=None, generator=None):
         if len(tree) > 1 and self.strategy.sample is not None:
@@ -137,10 +145,10 @@ def collect(args) -> None:
                 "actions": [list(a) for a in neural.ACTIONS], "tokens": args.tokens, "top": TOP, "runs": []}
         for i, (name, prompt) in enumerate(split_prompts(split, args.limit)):
             for temperature in args.temperatures:
-                strategy = Cover()
                 start, before = time.perf_counter(), len(rows)
                 sampling = Sampling(temperature=temperature, seed=args.seed + i)
-                Decoder(pair, strategy, Recording(strategy, rows), sampling).generate(
+                rule = Recording(rows)
+                Decoder(pair, Cover(), rule, sampling, plugins=(rule.follow,)).generate(
                     prompt, max_new_tokens=args.tokens)
                 info["runs"].append({"prompt": name, "temperature": temperature, "roots": len(rows) - before,
                                      "seconds": round(time.perf_counter() - start, 1)})

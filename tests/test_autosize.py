@@ -8,7 +8,7 @@ import torch
 
 from engine.core.tree import DraftTree
 from engine.decoder import Decoder
-from engine.measure.autosize import GROWTH, AutoSizer, Sample, predicted
+from engine.measure.autosize import GROWTH, AutoSizer, Sample, auto_sizing, predicted
 from engine.measure.costs import LADDER, ModelCosts, PairCosts
 from engine.models import tiny_random_pair
 from engine.strategies import StrategyError, make_strategy
@@ -136,10 +136,11 @@ def test_auto_runs_on_the_production_path(name, monkeypatch):
     pair.costs = costs(VERIFY["knee at 8 rows"])
     strategy = make_strategy(name, "auto")
     start = strategy.size()
-    result = Decoder(pair, strategy).generate("hello", max_new_tokens=40, stop_on_eos=False)
+    result = Decoder(pair, strategy, plugins=(auto_sizing,)).generate("hello", max_new_tokens=40, stop_on_eos=False)
     chosen = [it.cost.auto["next"] for it in result.iterations]
     assert all(m in strategy.sizes() for m in chosen) and set(chosen) != {start}
-    assert strategy.size() == chosen[-1]
+    assert result.params[strategy.auto_param] == chosen[-1]  # the run's own strategy was resized
+    assert strategy.size() == start  # the configured one was not: the next run starts from the preset again
 
 
 def test_auto_drafts_nothing_where_no_tree_pays_and_tries_again(monkeypatch):
@@ -151,7 +152,7 @@ def test_auto_drafts_nothing_where_no_tree_pays_and_tries_again(monkeypatch):
     pair.costs = PairCosts(ModelCosts("t", {"plain": {r: 0.01 + 0.001 * r for r in LADDER}}),
                            ModelCosts("d", {"plain": {r: 0.1 for r in LADDER}}))
     strategy = make_strategy("dynatree", preset="auto")
-    result = Decoder(pair, strategy).generate("hello", max_new_tokens=40, stop_on_eos=False)
+    result = Decoder(pair, strategy, plugins=(auto_sizing,)).generate("hello", max_new_tokens=40, stop_on_eos=False)
     reference = Decoder(pair, make_strategy("ar")).generate("hello", max_new_tokens=40, stop_on_eos=False)
     assert result.output_ids == reference.output_ids
     its = result.iterations
@@ -167,7 +168,20 @@ def test_auto_keeps_drafting_where_trees_pay(monkeypatch):
     pair = tiny_random_pair("identical", seed=0)  # the draft is the target: every node is accepted
     pair.costs = PairCosts(ModelCosts("t", {"plain": {r: 0.01 + 0.0001 * r for r in LADDER}}),
                            ModelCosts("d", {"plain": {r: 0.001 for r in LADDER}}))
-    result = Decoder(pair, make_strategy("dynatree", preset="auto")).generate("hello", max_new_tokens=40,
-                                                                             stop_on_eos=False)
+    result = Decoder(pair, make_strategy("dynatree", preset="auto"), plugins=(auto_sizing,)).generate(
+        "hello", max_new_tokens=40, stop_on_eos=False)
     assert all(it.cost.auto["draft"] == "tree" for it in result.iterations)
     assert all(it.draft_forwards > 0 for it in result.iterations)
+
+
+def test_the_recipe_plugs_the_sizer_in_exactly_for_the_auto_preset():
+    """engine/session.py hands the Decoder the sizer's plug-in for an `auto` run (the decoder itself imports no
+    sizer); a run then sizes its own strategy, and without a cost table the plug-in stays out of the run."""
+    from engine.session import RunSpec, make_decoder
+    pair = tiny_random_pair("related", seed=0)
+    spec = RunSpec(pair="tiny", prompt="hello", strategy="dynatree", preset="auto", max_new_tokens=4)
+    assert make_decoder(pair, spec).plugins == (auto_sizing,)
+    assert make_decoder(pair, spec.as_method("dynatree@cpu")).plugins == ()
+    run = make_decoder(pair, spec).run("hello", max_new_tokens=4, stop_on_eos=False)
+    list(run)
+    assert run.hooks == [run.strategy]  # no cost table: no sizer

@@ -10,7 +10,7 @@ from engine.core.kernels import router_of
 from engine.core.trace import IterationCost, IterationRecord
 from engine.decoder import Decoder
 from engine.measure import costs as costs_mod
-from engine.measure.autosize import WINDOW, AutoSizer
+from engine.measure.autosize import WINDOW, AutoSizer, auto_sizing
 from engine.measure.costs import CONTEXTS, LADDER, PREFIX, ModelCosts, PairCosts, interpolate, model_costs
 from engine.models import load_pair, tiny_random_pair
 from engine.strategies import STRATEGIES, make_strategy
@@ -186,7 +186,8 @@ def run_auto(name, costs, tokens=60, monkeypatch=None):
     pair = tiny_random_pair("identical", seed=0)  # every drafted token is accepted: size pays until cost says no
     pair.costs = costs
     strategy = make_strategy(name, "auto", stop_below=0.0)  # chains as long as k: only the sizer decides
-    result = Decoder(pair, strategy).generate("hello", max_new_tokens=tokens, stop_on_eos=False)
+    result = Decoder(pair, strategy, plugins=(auto_sizing,)).generate("hello", max_new_tokens=tokens,
+                                                                    stop_on_eos=False)
     return strategy, result
 
 
@@ -202,7 +203,7 @@ def test_auto_stops_where_verification_gets_expensive(monkeypatch):
     # drafted tokens (+ the root)
     strategy, result = run_auto("linear", synthetic_pair(lambda r: 0.05 if r <= 4 else 0.5), monkeypatch=monkeypatch)
     last = result.iterations[-1].cost.auto
-    assert last["best_size"] == 3 and strategy.settings.k == 4  # 25 % headroom above the best
+    assert last["best_size"] == 3 and result.params["k"] == 4  # 25 % headroom above the best
     assert result.iterations[-1].params["k"] == 4
 
 
@@ -214,7 +215,8 @@ def test_auto_preset_exists_for_every_strategy():
             assert cls.auto_param in strategy.current_params()
     # without a cost table the auto preset runs its starting values unchanged
     pair = tiny_random_pair("related", seed=0)
-    result = Decoder(pair, make_strategy("dynatree", "auto")).generate("abc", max_new_tokens=10, stop_on_eos=False)
+    result = Decoder(pair, make_strategy("dynatree", "auto"), plugins=(auto_sizing,)).generate(
+        "abc", max_new_tokens=10, stop_on_eos=False)
     assert {it.params["budget"] for it in result.iterations} == {STRATEGIES["dynatree"].presets["cpu"]["budget"]}
 
 

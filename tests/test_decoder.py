@@ -1,5 +1,8 @@
 """Exactness of tree speculative decoding (fp32): output == target-only greedy output, token for token."""
+import ast
 from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,7 +10,9 @@ import torch
 from engine.core import kv
 from engine.core.prompts import PromptError
 from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, load_run
+import engine.decoder
 from engine.decoder import Decoder
+from engine.strategies.base import RunHooks
 from engine.models import tiny_random_pair
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
 
@@ -167,12 +172,12 @@ def test_caches_equal_fresh_prefill(name, related_pair):
         if count == 25:
             break
     prompt_ids = related_pair.tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"]
-    committed = prompt_ids + run.state.generated
+    committed = prompt_ids + run.generated
     # The root (last committed token) is in neither cache yet.
     target_ref = _fresh_prefill(related_pair.target, committed[:-1])
-    assert kv.cache_length(run.state.target.cache) == len(committed) - 1
-    assert_same_cache(run.state.target.cache, target_ref)
-    drafter = run.state.drafter
+    assert kv.cache_length(run.target.cache) == len(committed) - 1
+    assert_same_cache(run.target.cache, target_ref)
+    drafter = run.drafter
     if drafter is None:
         return  # a strategy that drafts without the draft model (lookup) has no draft cache
     assert 0 < drafter.cached <= len(committed) - 1
@@ -197,7 +202,9 @@ def test_records_are_consistent(related_pair, tmp_path):
                 assert it.nodes[n.parent].status in (ROOT, ACCEPTED)
             if n.status == UNREACHED:
                 assert it.nodes[n.parent].status in (REJECTED, UNREACHED)
-        assert set(it.times) >= {"draft", "build", "verify", "commit", "other", "total"}
+        assert list(it.times) == ["draft", "build", "verify", "commit", "other", "total"]
+        stages = it.times["draft"] + it.times["build"] + it.times["verify"] + it.times["commit"] + it.times["other"]
+        assert it.times["total"] == pytest.approx(stages) and min(it.times.values()) >= 0.0
     assert len(result.token_sources) == len(result.output_ids)
     m = result.metrics
     assert m["mean_tokens_per_iter"] == pytest.approx((len(result.output_ids) - 1) / m["iterations"])
@@ -225,3 +232,95 @@ def test_bad_input_is_refused_clearly(related_pair):
         make_strategy("linear", budget=3)
     with pytest.raises(ValueError, match="max_new_tokens"):
         Decoder(related_pair, make_strategy("ar")).run("hi", max_new_tokens=0)
+
+
+# -- the run and its hooks -----------------------------------------------------------------------------------------
+def test_two_runs_of_one_decoder_decode_alike_each_with_its_own_strategy(related_pair):
+    """The decoder is a recipe: each run decodes with a fresh copy of its strategy, so what one run's strategy
+    learns (DynaTree's history adaptation moves its thresholds) neither reaches the recipe nor the next run."""
+    decoder = Decoder(related_pair, make_strategy("dynatree"))
+    before = decoder.strategy.current_params()
+    runs = [decoder.run(PROMPTS[0], max_new_tokens=40, stop_on_eos=False) for _ in range(2)]
+    for run in runs:
+        for _ in run:
+            pass
+    first, second = (run.result for run in runs)
+    assert runs[0].strategy is not runs[1].strategy and decoder.strategy not in (runs[0].strategy, runs[1].strategy)
+    assert first.output_ids == second.output_ids
+    assert [it.params for it in first.iterations] == [it.params for it in second.iterations]
+    assert [len(it.nodes) for it in first.iterations] == [len(it.nodes) for it in second.iterations]
+    assert runs[0].strategy.current_params() != before  # the run's strategy adapted ...
+    assert decoder.strategy.current_params() == before  # ... the recipe's did not
+
+
+class Log(RunHooks):
+    """A plug-in that records every hook call, and rests (asks for an AR step) at the iterations in `rest_at`."""
+
+    def __init__(self, rest_at=()):
+        self.calls, self.rest_at, self.done = [], set(rest_at), 0
+
+    def begin(self, run):
+        self.calls.append(("begin",))
+        self.run = run
+
+    def before_build(self, committed, width):
+        self.calls.append(("before_build", len(committed), width))
+
+    def rests(self):
+        return self.done in self.rest_at
+
+    def after_target(self, logits, row):
+        self.calls.append(("after_target", row))
+
+    def observe(self, accepted, drafted):
+        self.calls.append(("observe", accepted, drafted))
+
+    def recorded(self, record):
+        self.calls.append(("recorded", record.index))
+        self.done += 1
+
+
+def test_a_plug_in_hears_every_hook_in_order_and_its_rest_is_an_ar_step(related_pair):
+    log = Log(rest_at={1, 2})
+    decoder = Decoder(related_pair, make_strategy("dynatree"), plugins=(lambda run: log, lambda run: None))
+    run = decoder.run(PROMPTS[3], max_new_tokens=30, stop_on_eos=False)
+    records = list(run)
+    assert run.result.output_ids == reference_ids(0, PROMPTS[3], 30)
+    assert log.run.strategy is run.strategy and log.run.drafter is run.drafter and log.run.target is run.target
+    assert run.hooks == [run.strategy, log]  # a factory's None adds no hooks
+    prompt_len = len(run.prompt_ids)
+    expected = [("begin",), ("after_target", -1)]
+    generated = 1
+    for it in records:
+        expected += [("before_build", prompt_len + generated, run.width), ("after_target", it.accepted_path[-1])]
+        if it.index not in log.rest_at:
+            expected.append(("observe", len(it.accepted_path) - 1, it.drafted))
+        expected.append(("recorded", it.index))
+        generated += len(it.new_tokens)
+    assert log.calls == expected
+    for it in records[1:3]:  # the rested iterations: the root alone, no draft forward, one token
+        assert [n.status for n in it.nodes] == [ROOT, BONUS] and it.draft_forwards == 0 and it.times["draft"] == 0.0
+    assert records[3].draft_forwards > 0
+
+
+def test_the_decoder_reaches_its_plug_ins_only_through_hooks():
+    """engine/decoder.py imports neither the neural selector nor the auto sizer: they plug in through RunHooks."""
+    tree = ast.parse(Path(engine.decoder.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    assert "engine.strategies.base.RunHooks" in imported  # the parse sees the imports
+    assert not imported & {"engine.strategies.selector", "engine.measure.autosize"}
+
+
+def test_the_stage_clock_times_back_to_back_stages_and_carves_out_the_draft(monkeypatch):
+    from engine.measure import clock as clock_module
+    ticks = iter([10.0, 11.0, 13.5, 14.0, 14.25])
+    monkeypatch.setattr(clock_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    clock = clock_module.StageClock(torch.device("cpu"))
+    for stage in ("build", "verify", "commit", "other"):
+        with clock(stage):
+            pass
+    assert clock.times(draft=0.25, within="build") == {"draft": 0.25, "build": 0.75, "verify": 2.5, "commit": 0.5,
+                                                       "other": 0.25, "total": 4.25}

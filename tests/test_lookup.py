@@ -15,6 +15,7 @@ from engine.core.tree import DraftTree
 from engine.decoder import Decoder
 from engine.models import tiny_random_pair
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
+from engine.strategies.base import RunHooks
 from engine.verify import VERIFIERS, VerificationError, compatible_verifiers, make_verifier
 from exact import ROOT_TOKEN, WIDTH, ToyModel, emitted_law, max_error, outcomes
 
@@ -166,28 +167,31 @@ def test_grafted_under_a_node_uses_its_path_as_context():
 
 
 # -- the strategy ---------------------------------------------------------------------------------------------------
+def reads_context(strategy) -> bool:
+    """Whether the strategy overrides the run's `before_build` hook (it sees the committed tokens before each tree)."""
+    return type(strategy).before_build is not RunHooks.before_build
+
+
 def test_strategy_params_presets_and_refusals():
-    assert STRATEGIES["lookup"].uses_draft is False and STRATEGIES["lookup"].uses_context is True
+    assert STRATEGIES["lookup"].uses_draft is False and reads_context(STRATEGIES["lookup"]("cpu"))
     for preset in ("cpu", "paper", "auto"):
         make_strategy("lookup", preset)
     with pytest.raises(StrategyError, match="min_match"):
         make_strategy("lookup", min_match=5, max_match=3)
-    assert not STRATEGIES["fixed"].uses_context  # the base default
+    assert not reads_context(STRATEGIES["fixed"]("cpu"))  # the base default
 
 
 def test_strategy_sees_context_incrementally_and_builds_without_a_drafter():
     strategy = make_strategy("lookup", max_continuations=2, max_len=3, min_match=1)
-    strategy.see_context(STREAM[:8])
+    strategy.before_build(STREAM[:8], None)
     index = strategy.index
-    strategy.see_context(STREAM, vocab_size=10)
+    strategy.before_build(STREAM, 10)
     assert strategy.index is index and index.tokens == STREAM  # extended, not rebuilt
     tree = DraftTree(root_token=STREAM[-1])
     strategy.build(None, tree)
     assert paths(tree) == {(7,), (7, 8), (7, 8, 9), (1,), (1, 5), (1, 5, 6)} and tree.child_dist[0].shape == (10,)
-    strategy.see_context([5, 6, 5])  # another context: rebuilt
+    strategy.before_build([5, 6, 5], None)  # another context: rebuilt
     assert strategy.index is not index and strategy.index.tokens == [5, 6, 5]
-    strategy.reset()
-    assert strategy.index.tokens == []
 
 
 def test_which_rules_accept_lookup_and_which_refuse():
@@ -214,7 +218,7 @@ def lookup_only(max_continuations: int, max_len: int):
     def build(rng):
         strategy = make_strategy("lookup", min_match=1, max_match=2, max_continuations=max_continuations,
                                  max_len=max_len)
-        strategy.see_context(CONTEXT, vocab_size=WIDTH)
+        strategy.before_build(CONTEXT, WIDTH)
         tree = DraftTree(root_token=R)
         strategy.build(None, tree)
         return tree
@@ -254,7 +258,7 @@ def grafted(model: ToyModel, k: int, continuations: int = 2, room: int = 6):
         best = tree.children[0][0]
         tree.child_dist[best], tree.child_mode[best] = model.q((tree.tokens[best],)), "topk"
         strategy = make_strategy("dynatree", lookup=True, lookup_min_match=1, lookup_continuations=continuations)
-        strategy.see_context(CONTEXT, vocab_size=WIDTH)
+        strategy.before_build(CONTEXT, WIDTH)
         strategy.graft(tree, room=room)
         return tree
     return build
@@ -360,8 +364,8 @@ def test_grafted_strategy_decodes_exactly_like_ar_within_the_budget(name):
     pair = tiny_random_pair("related", seed=0, dtype=torch.float32)
     reference = Decoder(pair, make_strategy("ar")).generate(PROMPT, max_new_tokens=40, stop_on_eos=False)
     strategy = make_strategy(name, lookup=True, lookup_budget=4, lookup_min_match=1)
-    assert strategy.uses_context and strategy.child_modes_used == ("topk",)
-    assert not make_strategy(name).uses_context  # off by default
+    assert reads_context(strategy) and strategy.child_modes_used == ("topk",)
+    assert not reads_context(make_strategy(name))  # off by default
     result = Decoder(pair, strategy).generate(PROMPT, max_new_tokens=40, stop_on_eos=False)
     assert result.output_ids == reference.output_ids
     budget = strategy.settings.budget
@@ -392,7 +396,7 @@ def test_grafted_strategy_samples_with_its_default_rule(name):
 
 def test_graft_attaches_under_the_root_and_below_the_best_leaf():
     strategy = make_strategy("dynatree", lookup=True, lookup_min_match=1, lookup_continuations=1)
-    strategy.see_context(STREAM, vocab_size=10)
+    strategy.before_build(STREAM, 10)
     tree = DraftTree(root_token=9)
     tree.child_dist[0], tree.child_mode[0] = torch.full((10,), 0.1), "topk"
     one, three = tree.add(0, 1, 0.6), tree.add(0, 3, 0.3)
@@ -523,7 +527,7 @@ def test_gate_leaves_out_lookup_rows_that_cost_more_than_they_return():
     gate.any_gain = 0.2
     assert gate.worth_grafting(3, 0.01) and not gate.worth_grafting(3, 0.05)  # the record over all match lengths
     strategy = make_strategy("dynatree", lookup=True, lookup_min_match=1)
-    strategy.see_context(STREAM, vocab_size=10)
+    strategy.before_build(STREAM, 10)
     strategy.gate = gate
     tree = DraftTree(root_token=STREAM[-1])
     tree.add(0, 1, 0.5)
@@ -545,10 +549,10 @@ def test_grafting_wraps_the_model_strategy_only_when_switched_on():
     for name in ("dynatree", "dyspec", "ddtree"):
         plain = make_strategy(name)
         assert isinstance(plain, BudgetedStrategy) and not isinstance(plain, LookupGrafted)
-        assert not plain.uses_context and not hasattr(plain, "gate")
+        assert not reads_context(plain) and not hasattr(plain, "gate")
         wrapped = make_strategy(name, "auto", lookup=True)
         assert isinstance(wrapped, LookupGrafted) and type(wrapped.model) is type(plain)
-        assert wrapped.uses_context and "topk" in wrapped.child_modes_used and wrapped.name == name
+        assert reads_context(wrapped) and "topk" in wrapped.child_modes_used and wrapped.name == name
         wrapped.resize(wrapped.size() - 1)  # the size knob is the model's: the wrapper reads the same config
         assert getattr(wrapped.model.settings, wrapped.auto_param) == wrapped.size()
     assert not isinstance(make_strategy("lookup"), LookupGrafted)  # the lookup strategy has no model to graft onto

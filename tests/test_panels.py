@@ -263,15 +263,15 @@ def test_cost_panel_title_says_how_far_the_run_is_from_the_table():
 
 def test_the_metrics_row_says_when_auto_takes_ar_steps_and_why(related_pair, monkeypatch):
     """The auto preset's verdict reaches the page: 'no tree pays here', with the predicted speeds, c and t(n)."""
-    from engine.measure.autosize import AutoSizer
+    from engine.measure.autosize import AutoSizer, auto_sizing
     from engine.measure.costs import LADDER, ModelCosts, PairCosts
     from treeviz.figures.html import metrics_html
     monkeypatch.setattr(AutoSizer, "scale", lambda self: (1.0, 1.0))  # the synthetic table as given
     costs = PairCosts(ModelCosts("t", {"plain": {r: 0.01 + 0.001 * r for r in LADDER}}),
                       ModelCosts("d", {"plain": {r: 0.1 for r in LADDER}}))  # a draft step of ten target steps
     monkeypatch.setattr(related_pair, "costs", costs)
-    run = Decoder(related_pair, make_strategy("dynatree", preset="auto")).generate("hi", max_new_tokens=16,
-                                                                                   stop_on_eos=False)
+    run = Decoder(related_pair, make_strategy("dynatree", preset="auto"), plugins=(auto_sizing,)).generate(
+        "hi", max_new_tokens=16, stop_on_eos=False)
     text = metrics_html(run)
     assert "auto: AR steps" in text and "no tree pays here" in text and "c = " in text and "t(" in text
     assert "iterations were AR steps" in text

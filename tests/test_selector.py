@@ -180,7 +180,7 @@ def test_selector_choices_do_not_touch_the_default_path(related_pair):
     for record in run:
         assert not related_pair.target.base_model.norm._forward_hooks
         assert record.selector is None
-    assert run.state.drafter.taps is None and not run.state.drafter.dists
+    assert run.strategy.taps is None and not run.drafter.watchers
 
 
 class _Tree:

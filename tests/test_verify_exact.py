@@ -29,7 +29,6 @@ def delayed(model: ToyModel, **config):
     strategy = make_strategy("delayed", "paper", temperature=1.0, **config)
 
     def build(rng):
-        strategy.reset()
         strategy.sample = lambda dist, count, replacement, generator: rng.sample(dist, count, replacement)
         tree = DraftTree(root_token=ROOT_TOKEN)
         strategy.build(FakeDrafter(model, tree), tree)
@@ -42,7 +41,6 @@ def linear(model: ToyModel, **config):
     strategy = make_strategy("linear", "paper", **config)
 
     def build(rng):
-        strategy.reset()
         strategy.sample = lambda dist, generator: rng.sample(dist, 1, True)[0]
         tree = DraftTree(root_token=ROOT_TOKEN)
         drafter = FakeDrafter(model, tree)

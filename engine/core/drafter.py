@@ -16,6 +16,7 @@ from engine.core.tree import DraftTree
 
 # Turns draft logits [k, V] (float32) into the processed draft distributions q [k, V].
 Processor = Callable[[torch.Tensor], torch.Tensor]
+DREW_ROOT = -1  # the node a watcher sees for the draft row before the root: its q drew the root
 
 
 def softmax_processor(logits: torch.Tensor) -> torch.Tensor:
@@ -33,12 +34,10 @@ class Drafter:
         self.cached = 0  # committed tokens held in the draft cache
         self.forwards = 0
         self.seconds = 0.0
-        # The neural selector's features (engine/strategies/selector.py), kept only when a strategy wants them: the q
-        # that drew the current root (`prev_dist`), from this iteration's root forward when the previous token is
-        # pending, else from the node the last iteration expanded there.
-        self.taps = None
-        self.prev_dist: torch.Tensor | None = None
-        self.dists: dict[int, torch.Tensor] = {}
+        # Callbacks that see every processed draft row as it is made: (nodes, q [k, V]); node DREW_ROOT is the row
+        # before the root, which drew it (kept by the root forward only when someone watches and the previous token
+        # is pending). Set by a strategy's `begin` hook (the neural selector's features); none: nothing extra is kept.
+        self.watchers: list[Callable[[list[int], torch.Tensor], None]] = []
 
     @property
     def cache(self):
@@ -55,7 +54,6 @@ class Drafter:
         self.forwards = 0
         self.seconds = 0.0
         self.row_counts: list[int] = []  # rows of each draft forward this iteration (the cost model prices them)
-        self.dists = {}
 
     def expand(self, nodes: list[int]) -> torch.Tensor:
         """One draft forward over `nodes`; returns their processed next-token distributions q, float32 [k, V]."""
@@ -75,17 +73,19 @@ class Drafter:
         self.seconds += time.perf_counter() - start
         for i, node in enumerate(nodes):
             tree.confidence[node] = confidence[i]
-            if self.taps is not None:
-                self.dists[node] = probs[i]
+        for watch in self.watchers:
+            watch(nodes, probs)
         return probs
 
     def _forward_root(self) -> torch.Tensor:
         ids = self.pending + [self.tree.root_token]
-        keep = 2 if self.taps is not None and self.pending else 1  # the pending row before the root drew the root
+        keep = 2 if self.watchers and self.pending else 1  # the pending row before the root drew the root
         logits = self.steps.forward(ids, list(range(self.cached, self.root_pos + 1)), last=keep)
         self.rows[0] = self.root_pos
         if keep == 2:
-            self.prev_dist = self.process(logits[:1].float())[0]
+            drew_root = self.process(logits[:1].float())
+            for watch in self.watchers:
+                watch([DREW_ROOT], drew_root)
         return logits[-1:]
 
     def _forward_nodes(self, nodes: list[int]) -> torch.Tensor:
@@ -119,8 +119,6 @@ class Drafter:
         """Keep the committed part of the draft cache: the root and the accepted nodes the draft expanded."""
         if 0 not in self.rows:
             return  # this iteration drafted nothing; the cache is untouched
-        if self.taps is not None:  # q after the last accepted node drew the next root (if the draft expanded it)
-            self.prev_dist = self.dists.get(path[-1], self.prev_dist)
         kept = []
         for node in path[1:]:
             if node not in self.rows:

@@ -18,6 +18,10 @@ And where no tree pays at all -- the best size is predicted slower than an AR st
 forward, priced by the same table and scale) -- the next REST iterations draft nothing: each is an AR step. Then a
 tree is tried again, so the evidence follows the text (a run that turns repetitive may pay again). `last` says so and
 why, for the page.
+
+The sizer is a run plug-in (engine/strategies/base.py RunHooks): `auto_sizing` makes one for each run whose strategy's
+preset is "auto" (the recipe, engine/session.py, hands it to the Decoder); it says when an iteration rests (`rests`)
+and learns from every record (`recorded`), which carries its choice (`record.cost.auto`).
 """
 from __future__ import annotations
 
@@ -27,13 +31,14 @@ from collections import deque
 from engine.core.trace import BONUS, IterationRecord
 from engine.measure.costs import PairCosts
 from engine.measure.metrics import cost_ratios, drift_evidence
+from engine.strategies.base import RunHooks, RunInfo
 from engine.strategies.sizing import Sample, SizeCost
 
 WINDOW = 12  # iterations of evidence; long enough to average acceptance, short enough to follow the text
 GROWTH = 1.25  # headroom above the best observed size, so larger trees keep being tried
 REST = 4  # AR steps after a verdict that no tree pays, before a tree is tried again
 
-__all__ = ["GROWTH", "WINDOW", "AutoSizer", "Sample", "predicted", "sample_of"]
+__all__ = ["GROWTH", "WINDOW", "AutoSizer", "Sample", "auto_sizing", "predicted", "sample_of"]
 
 
 def sample_of(record: IterationRecord) -> Sample:
@@ -55,7 +60,15 @@ def predicted(sample: Sample, cost: SizeCost, costs: PairCosts, scale: tuple[flo
     return cost.accepted + 1, seconds["draft_s"] * scale[0] + seconds["verify_s"] * scale[1] + overhead
 
 
-class AutoSizer:
+def auto_sizing(run: RunInfo) -> "AutoSizer | None":
+    """The run's sizer where its strategy runs the `auto` preset with a draft model and the pair has a cost table;
+    else None (the strategy runs its starting values)."""
+    if run.strategy.auto and run.costs is not None and run.drafter is not None:
+        return AutoSizer(run.strategy, run.costs)
+    return None
+
+
+class AutoSizer(RunHooks):
     """Chooses a strategy's size knob before every iteration (the `auto` preset)."""
 
     def __init__(self, strategy, costs: PairCosts, window: int = WINDOW):
@@ -66,10 +79,14 @@ class AutoSizer:
         self.last: dict = {}
         self.rest = 0  # AR steps still to take before the next tree
 
-    @property
-    def resting(self) -> bool:
+    def rests(self) -> bool:
         """The next iteration drafts nothing: an AR step (no tree pays, `choose`)."""
         return self.rest > 0
+
+    def recorded(self, record: IterationRecord) -> None:
+        """Learn from the iteration and say in its record what was chosen for the next."""
+        self.learn(record)
+        record.cost.auto = self.last
 
     def scale(self) -> tuple[float, float]:
         """Measured ÷ predicted draft and verify seconds over the window (1.0 until there is evidence)."""
@@ -90,7 +107,7 @@ class AutoSizer:
             rates[m] = tokens / seconds
         return rates
 
-    def observe(self, record: IterationRecord) -> int:
+    def learn(self, record: IterationRecord) -> int:
         """Learn from a finished iteration and set the knob for the next; returns the new value. An iteration that
         drafted with the lookup alone (engine/strategies/graft.py) says nothing about the model's tree: skipped."""
         if record.lookup is not None and record.lookup.alone:

@@ -4,19 +4,27 @@ A strategy grows a `DraftTree` for one iteration by asking the `Drafter` to expa
 forward per batch). It declares its parameters (so the CLI and the app build their controls from them; they also
 make its typed settings, `Settings`, one dataclass field per Param, which `__init__` fills in), a "cpu"
 preset tuned on a 2-core CPU, a "paper" preset with the source paper's values, an "auto" preset whose size knob
-(`auto_param`) the decoder retunes every iteration from the measured cost table, and how it draws children
+(`auto_param`) the `auto` sizer retunes every iteration from the measured cost table, and how it draws children
 (which decides the verification rules that can check its trees losslessly when sampling).
+
+A run talks to its strategy, and to its plug-ins, through `RunHooks` only (the run began, before a tree, after the
+target's logits, after verification, the record made): context lookup sees the committed tokens, the neural selector
+taps its features, and the `auto` sizer (engine/measure/autosize.py) resizes the tree, each in its own module.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, make_dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from engine.core.drafter import Drafter
+from engine.core.sampling import Sampling
 from engine.core.tree import DraftTree
 from engine.strategies.sizing import Sample, SizeCost, by_levels
+
+if TYPE_CHECKING:
+    from engine.core.trace import IterationRecord
 
 
 class StrategyError(ValueError):
@@ -58,13 +66,55 @@ class Param:
         return value
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """What a run hands its hooks when it begins (`RunHooks.begin`)."""
+    pair: Any                   # the ModelPair (engine/models/pair.py)
+    strategy: "Strategy"        # the run's own strategy (a fresh copy of the decoder's)
+    target: Any                 # the target's steps (engine/core/steps.py): its forwards, its KV cache, `last_hidden`
+    drafter: Drafter | None     # the draft side; None for a strategy without a draft model
+    costs: Any                  # the measured cost table as this run's forwards run (PairCosts), or None
+    sampling: Sampling
+    rule: str                   # the verification rule's name
+
+
+class RunHooks:
+    """The points where a run calls out to its strategy and its plug-ins (the `auto` sizer, engine/measure/autosize.py),
+    in this order. Every hook is optional: the defaults do nothing, so a plug-in overrides only what it uses."""
+
+    def begin(self, run: RunInfo) -> None:
+        """The run began (before the prefill): its models' steps, drafter, costs, sampling and rule."""
+
+    def before_build(self, committed: list[int], width: int) -> None:
+        """Before each tree: every committed token so far (prompt + generated, ending with the next tree's root) and
+        the width of the target's logits rows (a draft distribution a strategy records must match it)."""
+
+    def rests(self) -> bool:
+        """Whether this iteration drafts nothing (an AR step: the tree is the root alone)."""
+        return False
+
+    def after_target(self, logits: torch.Tensor, row: int) -> None:
+        """After each target forward (the prefill's too, `row` -1), before verification is committed: its logits and
+        the row whose distribution drew the next root."""
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        """After a built tree is verified and kept (not after a rested iteration): accepted draft tokens out of drafted
+        nodes."""
+
+    def recorded(self, record: "IterationRecord") -> None:
+        """The iteration's record, times and cost filled in, after the iteration's clock stopped; may add to it."""
+
+
 def settings_class(name: str, params: tuple[Param, ...]) -> type:
     """A dataclass with one typed field per Param (its kind, its default): a strategy's settings, filled in from a
     preset and the caller's values (the CLI's, the app's) by `Strategy.__init__`."""
     return make_dataclass(f"{name}Settings", [(p.name, p.kind, field(default=p.default)) for p in params])
 
 
-class Strategy:
+class Strategy(RunHooks):
+    """A tree builder. The decoder keeps the configured instance and gives each run a fresh copy, so the attributes
+    a strategy learns while decoding (history adaptation, the lookup index) start over with every run; it hears the
+    run through the `RunHooks` it overrides."""
     name: ClassVar[str]
     label: ClassVar[str]
     summary: ClassVar[str]
@@ -74,17 +124,13 @@ class Strategy:
     # The size knob the "auto" preset tunes per iteration from measured costs (engine/measure/autosize.py); None: the
     # strategy has no single size knob and "auto" runs its starting values unchanged.
     auto_param: ClassVar[str | None] = None
-    uses_draft: ClassVar[bool] = True
-    # Whether `build` reads the committed tokens (context lookup): the decoder then calls `see_context` before it.
-    uses_context: ClassVar[bool] = False
+    uses_draft: ClassVar[bool] = True  # False: the run loads no draft model and `build` gets no drafter
     child_mode: ClassVar[str] = "topk"  # "topk" (deterministic), "iid", or "without_replacement"
     # Every mode its trees may contain: (child_mode,), set per instance before check(), where a strategy that mixes
     # modes (e.g. a greedy trunk under i.i.d. branches) says otherwise.
     child_modes_used: tuple[str, ...]
-    # Everything the decoder and the verification rules read is declared here (an instance may override it from
-    # its settings): whether it wants the target's hidden states at the root (the neural selector), and whether its
-    # trees are always one path (so the chain rules, Naive and Block, can check them).
-    wants_features: bool = False
+    # What the verification rules read (an instance may override it from its settings): whether its trees are always
+    # one path (so the chain rules, Naive and Block, can check them).
     chain: bool = False
 
     def __init_subclass__(cls, **kwargs: Any):
@@ -105,7 +151,6 @@ class Strategy:
         self.settings = self.Settings(**{key: known[key].coerce(value) for key, value in values.items()})
         self.child_modes_used = (self.child_mode,)
         self.check()
-        self.reset()
 
     @classmethod
     def preset_names(cls) -> list[str]:
@@ -121,9 +166,6 @@ class Strategy:
 
     def check(self) -> None:
         """Cross-parameter validation; raise StrategyError with a clear message."""
-
-    def reset(self) -> None:
-        """Forget per-run state (history adaptation). Called before every run."""
 
     def current_params(self) -> dict[str, Any]:
         """Parameters in force for the next iteration (they may change under history adaptation)."""
@@ -150,12 +192,6 @@ class Strategy:
             setattr(self.settings, self.auto_param, before)
             raise
 
-    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
-        """Called before each `build` when `uses_context`: every committed token so far (prompt + generated, ending
-        with the next tree's root), the width and device of the target's logits rows (a draft distribution the
-        strategy records must match them: the sampling rules compare it with p), and the pair's measured cost table
-        (engine/measure/costs.py PairCosts; None when the pair has none)."""
-
     def sizes(self) -> range:
         """The values of the size knob `resize` accepts, as the `auto` sizer may try them (none without a knob)."""
         if self.auto_param is None:
@@ -168,9 +204,6 @@ class Strategy:
         observed tree (engine/strategies/sizing.py). Default: a level-by-level builder under a node budget keeps
         its first `size` nodes and pays one draft forward per level; strategies built otherwise override it."""
         return by_levels(sample, size)
-
-    def observe(self, accepted: int, drafted: int) -> None:
-        """Feedback after verification: accepted draft tokens out of drafted nodes."""
 
     # -- shared helpers ------------------------------------------------------------------------------------------
     @staticmethod

@@ -8,8 +8,8 @@ reached by m paths draws m i.i.d. children. Paths that draw the same token share
 and the tree keeps every node's draws in their true order (`tree.draw_order`, a merged node once per draw), which
 the i.i.d. rules (SpecInfer, SpecTr, Khisti) need: tried grouped by first appearance they would be biased. Sampled
 nodes record child_mode "iid" and the exact distribution they drew from in child_dist. Draws use the run's sampling
-generator when the decoder gives the drafter one (temperature > 0), else the strategy's own, seeded with `seed` at
-every reset: runs repeat either way.
+generator when the decoder gives the drafter one (temperature > 0), else the strategy's own, seeded with `seed` in
+each run's fresh strategy: runs repeat either way.
 With `without_replacement` the K branch tokens at a node are distinct instead: the i-th is drawn from q with the
 earlier siblings' tokens removed and renormalised (child mode "without_replacement", for SpecInfer's
 without-replacement variant; rules that need i.i.d. children refuse it).
@@ -34,7 +34,7 @@ class Delayed(Strategy):
     summary = "A trunk of L1 draft tokens, then K i.i.d. sampled draft paths of L2 tokens from its end."
     child_mode = "iid"  # per instance: "without_replacement" when that option is on
     # A trained engine.strategies.selector.Selector; None: the shipped one of the run's rule, loaded at the first
-    # choice. A caller (a test, an evaluation) may set its own; reset() between runs keeps it.
+    # choice. A caller (a test, an evaluation) may set its own; each run's copy of the strategy keeps it.
     selector: neural.Selector | None = None
     params = (
         Param("k", 3, 1, 16, 1, "K (branches)", "i.i.d. paths drawn at the branching point"),
@@ -55,9 +55,14 @@ class Delayed(Strategy):
         "paper": {"k": 4, "l1": 4, "l2": 4, "temperature": 1.0, "greedy_trunk": False},
     }
 
+    def __init__(self, preset: str = "cpu", **overrides):
+        super().__init__(preset, **overrides)
+        self.generator = None  # created on the draft's device at the first draw
+        self.chosen: SelectorChoice | None = None  # the selector's latest choice
+        self.taps: neural.FeatureTaps | None = None  # the root's features, with the selector (from `begin`)
+
     def check(self) -> None:
         c = self.settings
-        self.wants_features = c.neural_selector  # the decoder then exposes hidden states (engine/strategies/selector.py)
         if c.neural_selector and c.without_replacement:
             raise StrategyError("the neural selector was trained on i.i.d. branches: turn off without_replacement")
         if c.l1 + c.l2 == 0 and not c.neural_selector:
@@ -67,9 +72,14 @@ class Delayed(Strategy):
         greedy_trunk = c.greedy_trunk and (c.l1 > 0 or c.neural_selector)
         self.child_modes_used = ("topk", self.child_mode) if greedy_trunk else (self.child_mode,)
 
-    def reset(self) -> None:
-        self.generator = None  # created on the draft's device at the first draw
-        self.chosen: SelectorChoice | None = None  # the selector's latest choice
+    def begin(self, run) -> None:
+        """With the selector: tap the root's features (engine/strategies/selector.py FeatureTaps)."""
+        if self.settings.neural_selector:
+            self.taps = neural.FeatureTaps.of_run(run)
+
+    def after_target(self, logits: torch.Tensor, row: int) -> None:
+        if self.taps is not None:
+            self.taps.after_target(logits, row)
 
     def current_params(self) -> dict:
         params = asdict(self.settings)
@@ -78,10 +88,10 @@ class Delayed(Strategy):
         return params
 
     def choose(self, drafter, root_dist: torch.Tensor) -> tuple[int, int, int]:
-        """The selector's (K, L1, L2) from the root's features (the decoder's `taps`), recorded for the iteration."""
-        taps = drafter.taps
+        """The selector's (K, L1, L2) from the root's features (its `taps`, from the run), recorded for the iteration."""
+        taps = self.taps
         if taps is None:
-            raise StrategyError("the neural selector needs the decoder's root features (engine.decoder.Decoder)")
+            raise StrategyError("the neural selector needs the run's root features (engine.decoder.DecodeRun)")
         if self.selector is None:
             self.selector = neural.shipped(taps.rule)
         seconds = neural.action_seconds(taps.costs, drafter.row_counts[0]) if taps.costs is not None else None

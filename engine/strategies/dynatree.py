@@ -74,8 +74,9 @@ class DynaTree(BudgetedStrategy):
         if not c.rho_stop <= c.rho_deep:
             raise StrategyError(f"rho_stop ({c.rho_stop}) must not exceed rho_deep ({c.rho_deep})")
 
-    def reset(self) -> None:
-        c = self.settings
+    def __init__(self, preset: str = "cpu", **overrides):
+        super().__init__(preset, **overrides)
+        c = self.settings  # history adaptation's state: each run's fresh copy starts from the settings
         self.state = {"d0": c.d0, "tau_h": c.tau_h, "tau_l": c.tau_l}
         self.level = float(c.d0)  # D0 before rounding: small steps add up instead of rounding away
         self.recent = deque(maxlen=c.window)

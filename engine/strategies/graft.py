@@ -133,9 +133,8 @@ def _mean(old: float | None, new: float) -> float:
 
 class LookupGrafted:
     """A model strategy with lookup branches grafted into its trees. The wrapper owns what grafting adds (the index,
-    the gate, `build`, `see_context`, `observe`, the child modes); every other attribute is the model strategy's."""
-
-    uses_context = True  # the decoder calls see_context before every build
+    the gate, `build`, the run hooks it needs: `begin`, `before_build`, `observe`; the child modes); every other
+    attribute (and hook) is the model strategy's."""
 
     def __init__(self, model: BudgetedStrategy):
         self.model = model
@@ -149,18 +148,23 @@ class LookupGrafted:
             raise AttributeError(name)
         return getattr(self.model, name)
 
-    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
+    def begin(self, run) -> None:
+        """The model strategy's own `begin`, and the pair's device and cost table for the lookup and its gate."""
+        self.model.begin(run)
+        self.device, self.costs = run.pair.device, run.costs
+
+    def before_build(self, committed: list[int], width: int) -> None:
         """Extend the index with the tokens committed since the last call (rebuilt when the context changed: a new
-        run, which also starts a new gate record); the gate learns from those tokens."""
+        context, which also starts a new gate record); the gate learns from those tokens."""
+        self.model.before_build(committed, width)
         seen = len(self.index.tokens)
-        fresh = follow(self.index, tokens)
+        fresh = follow(self.index, committed)
         if fresh is not self.index or not seen:
             self.gate = LookupGate()
         else:
-            self.gate.learn(tokens[seen:])
+            self.gate.learn(committed[seen:])
         self.index = fresh
-        self.vocab_size, self.device = vocab_size or self.vocab_size, device or self.device
-        self.costs = costs if costs is not None else self.costs
+        self.vocab_size = width or self.vocab_size
 
     def build(self, drafter, tree: DraftTree) -> None:
         """The model's tree under the budget less the lookup reservation, then the lookup branches; or, where the gate

@@ -20,7 +20,6 @@ class Lookup(Strategy):
     summary = ("A trie of the continuations that followed the latest tokens earlier in the prompt and output; no "
                "draft model, so the draft costs nothing.")
     uses_draft = False
-    uses_context = True
     child_mode = "topk"  # deterministic proposals
     params = (
         Param("budget", 16, 1, 256, 1, "N_max (node budget)", "maximum drafted nodes per iteration"),
@@ -34,21 +33,24 @@ class Lookup(Strategy):
         "paper": {"budget": 10, "min_match": 1, "max_match": 3, "max_continuations": 1, "max_len": 10},
     }
 
+    def __init__(self, preset: str = "cpu", **overrides):
+        super().__init__(preset, **overrides)
+        self.index = LookupIndex(self.settings.min_match, self.settings.max_match)
+        self.vocab_size, self.device = None, None  # of the target's rows, from the run's hooks
+
     def check(self) -> None:
         if self.settings.min_match > self.settings.max_match:
             raise StrategyError(f"min_match ({self.settings.min_match}) must not exceed max_match "
                                 f"({self.settings.max_match})")
+        self.chain = self.settings.max_continuations == 1  # one continuation: a single path, for the chain rules
 
-    def reset(self) -> None:
-        c = self.settings
-        self.index = LookupIndex(c.min_match, c.max_match)
-        self.vocab_size, self.device = None, None  # of the target's rows, from see_context
-        self.chain = c.max_continuations == 1  # one continuation: a single path, for the chain rules
+    def begin(self, run) -> None:
+        self.device = run.pair.device
 
-    def see_context(self, tokens: list[int], vocab_size: int | None = None, device=None, costs=None) -> None:
+    def before_build(self, committed: list[int], width: int) -> None:
         """Extend the index with the tokens committed since the last call (rebuild it if the context changed)."""
-        self.index = follow(self.index, tokens)
-        self.vocab_size, self.device = vocab_size or self.vocab_size, device or self.device
+        self.index = follow(self.index, committed)
+        self.vocab_size = width or self.vocab_size
 
     def build(self, drafter, tree) -> None:
         c = self.settings

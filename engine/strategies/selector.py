@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.core.drafter import DREW_ROOT
 from engine.core.reports import SelectorChoice
 
 K_MAX, L1_MAX, L2_MAX = 4, 4, 4
@@ -99,8 +100,9 @@ def scalar_features(p_prev, q_prev, q_root, context: int, temperature: float, to
 
 
 class FeatureTaps:
-    """The decoder's side: the target's state at the previous position, which the decoder hands over after every
-    target forward (`after_target`), and the draft's root row, read from both models' steps (`last_hidden`)."""
+    """The features at the root, gathered through the run's hooks: the target's state at the previous position (handed
+    over after every target forward, `after_target`), the q that drew the root (the drafter's rows, `see_rows`, a
+    drafter watcher), and the draft's root row, read from both models' steps (`last_hidden`)."""
 
     def __init__(self, pair, sampling, rule: str, target_steps, draft_steps, costs=None):
         for model in (pair.target, pair.draft):
@@ -112,16 +114,36 @@ class FeatureTaps:
         # p as a distribution even when decoding greedily (the one-hot would carry no uncertainty)
         self.process = (lambda x: torch.softmax(x.float(), dim=-1)) if sampling.greedy else sampling.process
         self.target_hidden = self.target_dist = None
+        # the q that drew the current root: from this iteration's root forward when the previous token was pending,
+        # else from the node the last iteration expanded there (`dists`: this iteration's rows, per node)
+        self.prev_dist: torch.Tensor | None = None
+        self.dists: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of_run(cls, run) -> "FeatureTaps":
+        """The taps of a run that began (engine/strategies/base.py RunInfo), watching its drafter's rows."""
+        taps = cls(run.pair, run.sampling, run.rule, run.target, run.drafter.steps, run.costs)
+        run.drafter.watchers.append(taps.see_rows)
+        return taps
+
+    def see_rows(self, nodes: list[int], dists: torch.Tensor) -> None:
+        """A drafter watcher (engine/core/drafter.py): each expanded node's q, and the q that drew the root."""
+        if nodes == [DREW_ROOT]:
+            self.prev_dist = dists[0]
+            return
+        self.dists.update(zip(nodes, dists))
 
     def after_target(self, logits: torch.Tensor, row: int) -> None:
-        """Keep the target's hidden state and processed distribution at `row`: the position before the next root."""
+        """Keep the target's hidden state and processed distribution at `row`: the position before the next root; and
+        the q the draft had there, if it expanded that node (the q that drew the next root)."""
         self.target_hidden = self.target.last_hidden[row].float()
         self.target_dist = self.process(logits[row].float()[None])[0]
+        self.prev_dist, self.dists = self.dists.get(row, self.prev_dist), {}
 
     def features(self, drafter, root_dist: torch.Tensor) -> RootFeatures:
         """Right after the drafter's root forward: its root row and the q that drew the root's predecessor."""
         s = self.sampling
-        scalars = scalar_features(self.target_dist, drafter.prev_dist, root_dist, drafter.root_pos + 1,
+        scalars = scalar_features(self.target_dist, self.prev_dist, root_dist, drafter.root_pos + 1,
                                   s.temperature, s.top_p)
         return RootFeatures(self.target_hidden, self.draft.last_hidden[-1].float(), scalars)
 
