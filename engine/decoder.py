@@ -10,7 +10,7 @@ only starts runs. A `DecodeRun` owns everything one run holds (its own copy of t
 caches, the output so far) and is the loop: start, prefill, then one `iterate` per tree, each record completed
 outside the decode time. The run calls its strategy and plug-ins only through the hooks of
 engine/strategies/base.py `RunHooks` (context lookup, the neural selector's features, the `auto` sizer live in their
-own modules; the recipe, engine/session.py, hands in the plug-ins).
+own modules; the recipe, engine/recipe.py, hands in the plug-ins).
 
 Conventions: the root of each tree is the last committed token, not yet in either KV cache; tree nodes sit at
 positions P + depth (P = target cache length); the target sees an additive ancestor-only mask; after verification

@@ -175,9 +175,9 @@ def test_auto_keeps_drafting_where_trees_pay(monkeypatch):
 
 
 def test_the_recipe_plugs_the_sizer_in_exactly_for_the_auto_preset():
-    """engine/session.py hands the Decoder the sizer's plug-in for an `auto` run (the decoder itself imports no
+    """engine/recipe.py hands the Decoder the sizer's plug-in for an `auto` run (the decoder itself imports no
     sizer); a run then sizes its own strategy, and without a cost table the plug-in stays out of the run."""
-    from engine.session import RunSpec, make_decoder
+    from engine.recipe import RunSpec, make_decoder
     pair = tiny_random_pair("related", seed=0)
     spec = RunSpec(pair="tiny", prompt="hello", strategy="dynatree", preset="auto", max_new_tokens=4)
     assert make_decoder(pair, spec).plugins == (auto_sizing,)

@@ -1,5 +1,5 @@
 """Trade-off curves: one strategy run at several values of its size knob (`Strategy.auto_param`, e.g. the node
-budget), plus one AR run, on one prompt, every run through engine.session (the one run recipe).
+budget), plus one AR run, on one prompt, every run through engine.recipe (the one run recipe).
 
 Bigger trees accept more tokens per target pass (L̄ up) but cost more per iteration (draft forwards, verification
 rows); tokens/s peaks somewhere between. Each point records the engine's metrics (engine.measure.metrics via RunResult)

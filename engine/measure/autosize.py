@@ -20,7 +20,7 @@ tree is tried again, so the evidence follows the text (a run that turns repetiti
 why, for the page.
 
 The sizer is a run plug-in (engine/strategies/base.py RunHooks): `auto_sizing` makes one for each run whose strategy's
-preset is "auto" (the recipe, engine/session.py, hands it to the Decoder); it says when an iteration rests (`rests`)
+preset is "auto" (the recipe, engine/recipe.py, hands it to the Decoder); it says when an iteration rests (`rests`)
 and learns from every record (`recorded`), which carries its choice (`record.cost.auto`).
 """
 from __future__ import annotations
