@@ -23,7 +23,7 @@ from engine.core.prompts import Prompt, PromptError, encode_prompt, prompt_text
 from engine.core.runtime import synchronize
 from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, pair_static_steps
-from engine.core.trace import IterationRecord, RunResult
+from engine.core.trace import IterationRecord, RunConfig, RunResult, RunSampling, StageTimes, TokenSource, known
 from engine.core.tree import DraftTree
 from engine.measure.autosize import AutoSizer
 from engine.measure.metrics import run_metrics
@@ -74,7 +74,7 @@ class RunState:
     ttft: float = 0.0                   # seconds to the first token
     generated: list[int] = field(default_factory=list)         # committed output tokens so far
     records: list[IterationRecord] = field(default_factory=list)
-    sources: list[dict[str, Any]] = field(default_factory=list)  # per output token: iteration, kind, margin, text
+    sources: list[TokenSource] = field(default_factory=list)  # per output token
     stop_reason: str = ""               # set when decoding must stop ("eos", "max_new_tokens", "stop_string")
     width: int | None = None            # the width of the target's logits rows (set by the prefill)
     pending: tuple | None = None        # the last iteration's (record, tree, logits), until `complete` reads them
@@ -213,8 +213,8 @@ class Decoder:
             state.taps.after_target(logits, -1)
         first, state.stop_reason = stop.cut(tok, state.generated, [verdict.bonus])
         state.generated += first
-        state.sources.append({"iteration": -1, "kind": "prefill", "margin": margins(logits)[0],
-                              "text": tok.decode(first)})
+        state.sources.append(TokenSource(iteration=-1, kind="prefill", margin=margins(logits)[0],
+                                         text=tok.decode(first)))
         synchronize(device)
         state.ttft = time.perf_counter() - state.started
 
@@ -242,8 +242,8 @@ class Decoder:
         kept_margins = margins(logits[record.accepted_path])[: len(new)]
         texts = self.pair.tokenizer.batch_decode([[token] for token in new])
         for i, text in enumerate(texts):
-            state.sources.append({"iteration": record.index, "kind": "accepted" if i < record.accepted else "bonus",
-                                  "margin": kept_margins[i], "text": text})
+            kind = "accepted" if i < record.accepted else "bonus"
+            state.sources.append(TokenSource(iteration=record.index, kind=kind, margin=kept_margins[i], text=text))
 
     def result(self, prompt: Prompt, stop: StopRule, state: RunState, total: float,
                reason: str | None = None) -> RunResult:
@@ -254,13 +254,13 @@ class Decoder:
             prompt=prompt_text(prompt), prompt_ids=state.prompt_ids, output_ids=generated,
             output_text=pair.tokenizer.decode(generated, skip_special_tokens=False),
             strategy=strategy.name, params=asdict(strategy.settings),
-            config={"target": pair.target_name, "draft": pair.draft_name if strategy.uses_draft else None,
-                    "steps": self.steps_label(),
-                    "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
-                    "machine": machine_label(pair.device),
-                    "verifier": self.verifier.name, "sampling": self.sampling.as_dict(),
-                    "max_new_tokens": stop.max_new_tokens,
-                    "stop_on_eos": bool(stop.eos_ids), "stop_strings": list(stop.stop_strings)},
+            config=RunConfig(target=pair.target_name, draft=pair.draft_name if strategy.uses_draft else None,
+                             steps=self.steps_label(),
+                             device=str(pair.device), dtype=str(pair.dtype).removeprefix("torch."),
+                             machine=machine_label(pair.device),
+                             verifier=self.verifier.name, sampling=known(RunSampling, self.sampling.as_dict()),
+                             max_new_tokens=stop.max_new_tokens,
+                             stop_on_eos=bool(stop.eos_ids), stop_strings=list(stop.stop_strings)),
             iterations=list(state.records), metrics=run_metrics(state.records, len(generated), total, state.ttft),
             stop_reason=state.stop_reason if reason is None else reason, token_sources=list(state.sources))
 
@@ -308,8 +308,8 @@ class Decoder:
         draft_s = drafter.seconds if drafting else 0.0
         t4 = time.perf_counter()
         record.draft_forwards = drafter.forwards if drafting else 0
-        record.times = {"draft": draft_s, "build": t1 - t0 - draft_s, "verify": t2 - t1, "commit": t3 - t2,
-                        "other": t4 - t3, "total": t4 - t0}
+        record.times = StageTimes(draft=draft_s, build=t1 - t0 - draft_s, verify=t2 - t1, commit=t3 - t2,
+                                  other=t4 - t3, total=t4 - t0)
         if self.costs is not None:
             record.cost = iteration_cost(self.costs, drafter.row_counts if drafting else [], len(tree),
                                          record.times, context=root_pos)

@@ -6,7 +6,7 @@ import torch
 
 from engine.core import kv
 from engine.core.prompts import PromptError
-from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, load_run
+from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, StageTimes, load_run
 from engine.decoder import Decoder
 from engine.models import tiny_random_pair
 from engine.strategies import STRATEGIES, StrategyError, make_strategy
@@ -197,10 +197,10 @@ def test_records_are_consistent(related_pair, tmp_path):
                 assert it.nodes[n.parent].status in (ROOT, ACCEPTED)
             if n.status == UNREACHED:
                 assert it.nodes[n.parent].status in (REJECTED, UNREACHED)
-        assert set(it.times) >= {"draft", "build", "verify", "commit", "other", "total"}
+        assert isinstance(it.times, StageTimes) and it.times.total > 0
     assert len(result.token_sources) == len(result.output_ids)
     m = result.metrics
-    assert m["mean_tokens_per_iter"] == pytest.approx((len(result.output_ids) - 1) / m["iterations"])
+    assert m.mean_tokens_per_iter == pytest.approx((len(result.output_ids) - 1) / m.iterations)
     path = tmp_path / "trace.json"
     result.save(path)
     replay = load_run(path)

@@ -147,7 +147,7 @@ class RunSession:
         self.backend.pairs.request(name)
         told = -1.0
         while self.backend.pairs.ready(name) is None and not self.cancelled:  # ready() waits up to 0.25 s
-            fraction, message = self.backend.pairs.status()["progress"]
+            fraction, message = self.backend.pairs.status().progress
             if fraction != told:
                 told = fraction
                 yield Progress(f"waiting for the models: {message}", fraction)
