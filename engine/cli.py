@@ -187,7 +187,7 @@ def _iteration_line(record) -> str:
     vs = (f"  draft+verify predicted {cost.predicted_s * 1000:6.1f} / measured {cost.measured_s * 1000:6.1f} ms"
           if cost is not None else "")
     return (f"iter {record.index:4d}  drafted {record.drafted:4d}  accepted {record.accepted:3d}  "
-            f"+{record.committed} tokens  {record.times['total'] * 1000:7.1f} ms{vs}")
+            f"+{record.committed} tokens  {record.times.total * 1000:7.1f} ms{vs}")
 
 
 def cmd_generate(args) -> int:
@@ -209,9 +209,8 @@ def cmd_generate(args) -> int:
     print(_summary(result), file=sys.stderr)
     if args.json:
         data = result.to_dict()
-        data["metrics"] = result.metrics
         if result.comparison:
-            data["exact_match"] = result.comparison["exact_match"]
+            data["exact_match"] = result.comparison.exact_match
         Path(args.json).write_text(json.dumps(data, ensure_ascii=False, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
@@ -219,22 +218,23 @@ def cmd_generate(args) -> int:
 
 def _summary(result) -> str:
     m = result.metrics
-    summary = (f"\n[{result.strategy}] {m['new_tokens']} tokens in {m['total_s']:.2f} s = {m['tokens_per_s']:.2f} "
-               f"tok/s | L̄ {m['mean_tokens_per_iter']:.2f} | ℓ̄ {m['mean_accepted_len']:.2f} | "
-               f"iterations {m['iterations']} | TTFT {m['ttft_s']:.3f} s")
-    if m.get("acceptance_rate") is not None:
-        summary += f" | acceptance {m['acceptance_rate']:.2f}"
+    summary = (f"\n[{result.strategy}] {m.new_tokens} tokens in {m.total_s:.2f} s = {m.tokens_per_s:.2f} "
+               f"tok/s | L̄ {m.mean_tokens_per_iter:.2f} | ℓ̄ {m.mean_accepted_len:.2f} | "
+               f"iterations {m.iterations} | TTFT {m.ttft_s:.3f} s")
+    if m.acceptance_rate is not None:
+        summary += f" | acceptance {m.acceptance_rate:.2f}"
     if result.comparison:
         c = result.comparison
-        runs = "one run of each" if c["runs_each"] == 1 else \
-            f"the fastest of {c['runs_each']} runs of each, alternating with AR"
-        summary += (f"\nvs AR: speedup {c.get('speedup_vs_ar', float('nan')):.2f}× (AR "
-                    f"{c['ar_tokens_per_s']:.2f} tok/s; {runs}, after a warm-up run of each), "
-                    f"exact match {c['exact_match']}")
-        if not c["exact_match"]:
-            summary += f" (first divergence at token {c['first_divergence']}, AR top-2 margin " \
-                       f"{c.get('reference_margin')})"
-    warning = drift_warning(m.get("cost_drift") or {})
+        runs = "one run of each" if c.runs_each == 1 else \
+            f"the fastest of {c.runs_each} runs of each, alternating with AR"
+        speedup = c.speedup_vs_ar if c.speedup_vs_ar is not None else float("nan")
+        summary += (f"\nvs AR: speedup {speedup:.2f}× (AR "
+                    f"{c.ar_tokens_per_s:.2f} tok/s; {runs}, after a warm-up run of each), "
+                    f"exact match {c.exact_match}")
+        if not c.exact_match:
+            summary += f" (first divergence at token {c.first_divergence}, AR top-2 margin " \
+                       f"{c.reference_margin})"
+    warning = drift_warning(m.cost_drift)
     if warning:
         summary += f"\nnote: {warning}"
     return summary

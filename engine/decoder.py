@@ -31,7 +31,7 @@ from engine.core.prompts import Prompt, PromptError, encode_prompt, prompt_text
 from engine.core.runtime import synchronize
 from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, pair_static_steps
-from engine.core.trace import IterationRecord, RunResult
+from engine.core.trace import IterationRecord, RunConfig, RunResult, RunSampling, TokenSource, known
 from engine.core.tree import DraftTree
 from engine.measure.clock import StageClock
 from engine.measure.metrics import run_metrics
@@ -153,7 +153,7 @@ class DecodeRun:
         self.started: float | None = None  # perf_counter() when decoding began (the prefill); None before it
         self.generated: list[int] = []  # committed output tokens so far
         self.records: list[IterationRecord] = []
-        self.sources: list[dict[str, Any]] = []  # per output token: iteration, kind, margin, text
+        self.sources: list[TokenSource] = []  # per output token: where it came from
         self.stop_reason = ""  # set when decoding must stop ("eos", "max_new_tokens", "stop_string")
         self.tree: DraftTree | None = None  # the last iteration's tree and target logits, until `complete` reads them
         self.logits: torch.Tensor | None = None
@@ -224,8 +224,8 @@ class DecodeRun:
             hooks.after_target(logits, -1)
         first, self.stop_reason = self.stop.cut(tok, self.generated, [verdict.bonus])
         self.generated += first
-        self.sources.append({"iteration": -1, "kind": "prefill", "margin": margins(logits)[0],
-                             "text": tok.decode(first)})
+        self.sources.append(TokenSource(iteration=-1, kind="prefill", margin=margins(logits)[0],
+                                        text=tok.decode(first)))
         synchronize(device)
         self.ttft = time.perf_counter() - self.started  # seconds to the first token
 
@@ -316,8 +316,8 @@ class DecodeRun:
         kept_margins = margins(logits[record.accepted_path])[: len(new)]
         texts = tokenizer.batch_decode([[token] for token in new])
         for i, text in enumerate(texts):
-            self.sources.append({"iteration": record.index, "kind": "accepted" if i < record.accepted else "bonus",
-                                 "margin": kept_margins[i], "text": text})
+            kind = "accepted" if i < record.accepted else "bonus"
+            self.sources.append(TokenSource(iteration=record.index, kind=kind, margin=kept_margins[i], text=text))
 
     def run_result(self, total: float, reason: str | None = None) -> RunResult:
         """The run as a RunResult: at the end of decoding, and for `snapshot()` while it goes on (`reason` "": not
@@ -328,13 +328,13 @@ class DecodeRun:
             prompt=prompt_text(prompt), prompt_ids=self.prompt_ids, output_ids=generated,
             output_text=pair.tokenizer.decode(generated, skip_special_tokens=False),
             strategy=strategy.name, params=asdict(strategy.settings),
-            config={"target": pair.target_name, "draft": pair.draft_name if strategy.uses_draft else None,
-                    "steps": decoder.steps_label(),
-                    "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
-                    "machine": machine_label(pair.device),
-                    "verifier": decoder.verifier.name, "sampling": decoder.sampling.as_dict(),
-                    "max_new_tokens": stop.max_new_tokens,
-                    "stop_on_eos": bool(stop.eos_ids), "stop_strings": list(stop.stop_strings)},
+            config=RunConfig(target=pair.target_name, draft=pair.draft_name if strategy.uses_draft else None,
+                             steps=decoder.steps_label(),
+                             device=str(pair.device), dtype=str(pair.dtype).removeprefix("torch."),
+                             machine=machine_label(pair.device),
+                             verifier=decoder.verifier.name, sampling=known(RunSampling, decoder.sampling.as_dict()),
+                             max_new_tokens=stop.max_new_tokens,
+                             stop_on_eos=bool(stop.eos_ids), stop_strings=list(stop.stop_strings)),
             iterations=list(self.records), metrics=run_metrics(self.records, len(generated), total, self.ttft),
             stop_reason=self.stop_reason if reason is None else reason, token_sources=list(self.sources))
 

@@ -12,7 +12,7 @@ import torch
 
 from engine.core.sampling import Sampling
 from engine.core.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationCost, IterationRecord,
-                               NodeRecord)
+                               NodeRecord, StageTimes)
 from engine.core.tree import DraftTree
 from engine.verify import Verdict
 
@@ -44,7 +44,7 @@ def iteration_record(index: int, root_pos: int, tree: DraftTree, verdict: Verdic
     return IterationRecord(
         index=index, position=root_pos, nodes=nodes, accepted_path=path, bonus_token=verdict.bonus, bonus_text="",
         new_tokens=list(new), drafted=tree.num_drafted, accepted=min(len(path) - 1, len(new)), draft_forwards=0,
-        params=params, times={}, extra=dict(tree.extra), lookup=tree.lookup, selector=tree.selector)
+        params=params, times=StageTimes(), extra=dict(tree.extra), lookup=tree.lookup, selector=tree.selector)
 
 
 def complete_record(record: IterationRecord, tokenizer, sampling: Sampling, tree: DraftTree,
@@ -96,7 +96,7 @@ def margins(logits: torch.Tensor) -> list[float]:
     return (top[:, 0] - top[:, 1]).tolist()
 
 
-def iteration_cost(costs: PairCosts, draft_rows: list[int], verify_rows: int, times: dict[str, float],
+def iteration_cost(costs: PairCosts, draft_rows: list[int], verify_rows: int, times: StageTimes,
                    context: int | None = None) -> IterationCost:
     """Predicted (from the measured cost table `costs`, at `context` committed tokens) beside measured seconds of an
     iteration's draft and verify."""
@@ -104,5 +104,4 @@ def iteration_cost(costs: PairCosts, draft_rows: list[int], verify_rows: int, ti
     return IterationCost(
         draft_rows=list(draft_rows), verify_rows=verify_rows, predicted_draft_s=predicted["draft_s"],
         predicted_verify_s=predicted["verify_s"], predicted_s=predicted["total_s"],
-        measured_draft_s=times["draft"], measured_verify_s=times["verify"],
-        measured_s=times["draft"] + times["verify"])
+        measured_draft_s=times.draft, measured_verify_s=times.verify, measured_s=times.draft + times.verify)

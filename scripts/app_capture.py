@@ -43,10 +43,10 @@ def first_tree(client, pair: str, prompt: str, strategy: str) -> dict:
 def wait_for_capture(backend, timeout: float) -> dict:
     """Poll the pair's capture line (what the page shows) until nothing is pending."""
     deadline = time.monotonic() + timeout
-    while backend.pairs.status()["capture"] and time.monotonic() < deadline:
+    while backend.pairs.status().capture and time.monotonic() < deadline:
         time.sleep(2.0)
     status = backend.pairs.status()
-    return {"captured_ready_s": since_start(), "pending": status["capture"], "description": status["description"]}
+    return {"captured_ready_s": since_start(), "pending": status.capture, "description": status.description}
 
 
 def races(client, pair: str, strategy: str, prompts: list[dict], tokens: int) -> list[dict]:

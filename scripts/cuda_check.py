@@ -55,8 +55,8 @@ def check(device: str, tokens: int) -> dict:
                         if key == "bf16" and not same:
                             row["bf16_first_divergence"].append(first_divergence(run.output_ids, reference))
                         if key == "fp32":
-                            row["draft_s"] += [it.times["draft"] for it in run.iterations]
-                            row["verify_s"] += [it.times["verify"] for it in run.iterations]
+                            row["draft_s"] += [it.times.draft for it in run.iterations]
+                            row["verify_s"] += [it.times.verify for it in run.iterations]
     pair = tiny_random_pair("related", seed=0, dtype=torch.float32, device=device)
     for name, row in rows.items():
         sampling = Sampling(temperature=0.8, seed=7)

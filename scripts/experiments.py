@@ -47,11 +47,11 @@ def sweep(pair, configs, prompts, tokens, sampling, prompt_override=None):
     for label, strategy, params, rule in configs:
         results = [o["result"] for o in runs[label]]
         iters = [it for r in results for it in r.iterations]
-        m = run_metrics(iters, sum(len(r.output_ids) for r in results), sum(r.metrics["total_s"] for r in results),
+        m = run_metrics(iters, sum(len(r.output_ids) for r in results), sum(r.metrics.total_s for r in results),
                         0.0)
         rows.append({"config": label, "strategy": strategy, "params": params, "rule": rule,
-                     "L_bar": m["mean_tokens_per_iter"], "acceptance": m["acceptance_rate"],
-                     "drafted": m["mean_drafted"], "draft_forwards": m["mean_draft_forwards"],
+                     "L_bar": m.mean_tokens_per_iter, "acceptance": m.acceptance_rate,
+                     "drafted": m.mean_drafted, "draft_forwards": m.mean_draft_forwards,
                      "tokens_per_s": throughput(runs[label]), "speedup": throughput(runs[label]) / ar_tps,
                      "ar_tokens_per_s": ar_tps})
     return rows, {label: [o["result"] for o in outs] for label, outs in runs.items()}

@@ -5,7 +5,7 @@
 
 Two measurements on the tiny identical pair (its draft accepts everything, so trees stay at their budget):
   stubbed   the model steps replaced by a lookup of fixed logits (a forward costs ~10 us): an iteration's wall time
-            (`times["total"]`: drafting through commit, the record's light part and the cost model included) is
+            (`times.total`: drafting through commit, the record's light part and the cost model included) is
             then the engine's own host work;
   in situ   the real steps, captured and eager: the iteration's wall time minus the wall time of every steps call it
             made (forward with its input staging, keep); what remains also holds the draft's softmax and top-k on
@@ -74,8 +74,8 @@ def measure(pair, strategy: str, params: dict, iterations: int, capture: str) ->
     with Clock(STEPS + [(DecodeRun, "complete")]) as clock:
         steps, done = 0.0, 0.0
         for record in run:
-            total.append(record.times["total"])
-            host.append(record.times["total"] - (clock.inside("forward", "keep") - steps))
+            total.append(record.times.total)
+            host.append(record.times.total - (clock.inside("forward", "keep") - steps))
             complete.append(clock.inside("complete") - done)
             nodes.append(len(record.nodes) - 1)
             steps, done = clock.inside("forward", "keep"), clock.inside("complete")

@@ -81,10 +81,11 @@ def trace_name(pair: str, entry: Entry) -> str:
 def write(out: Path, pair: str, entry: Entry, result, text: str) -> int:
     path = out / trace_name(pair, entry)
     path.write_text(text)
-    m, speedup = result.metrics, (result.comparison or {}).get("speedup_vs_ar")
-    print(f"{path.name}: {len(text.encode()) / 1024:.0f} KB, {m['new_tokens']} tokens, {m['iterations']} iterations, "
-          f"L̄ {m['mean_tokens_per_iter']:.2f}, speedup {speedup or 0:.2f}×, "
-          f"matches AR: {(result.comparison or {}).get('exact_match')}", flush=True)
+    m, c = result.metrics, result.comparison
+    speedup = c.speedup_vs_ar if c is not None else None
+    print(f"{path.name}: {len(text.encode()) / 1024:.0f} KB, {m.new_tokens} tokens, {m.iterations} iterations, "
+          f"L̄ {m.mean_tokens_per_iter:.2f}, speedup {speedup or 0:.2f}×, "
+          f"matches AR: {c.exact_match if c is not None else None}", flush=True)
     return len(text.encode())
 
 
@@ -109,7 +110,7 @@ def main(argv=None) -> None:
         result, text = bounded_run(args.pair, prompts[entry.kind], entry, tokens, args.max_kb * 1024)
         total += write(out, args.pair, entry, result, text)
         if entry.kind == "code" and entry.temperature == 0:
-            code_speedups[entry.strategy] = (result.comparison or {}).get("speedup_vs_ar") or 0.0
+            code_speedups[entry.strategy] = (result.comparison.speedup_vs_ar if result.comparison else None) or 0.0
     if code_speedups:
         # the first view: small trees, so a longer run fits in the same bound
         best = Entry("code", max(code_speedups, key=code_speedups.get), "cpu", tokens=1.5)

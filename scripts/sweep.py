@@ -59,8 +59,8 @@ def main():
                 m = out["result"].metrics
                 speedup = (out["new_tokens"] / out["total_s"]) / (ar[i]["new_tokens"] / ar[i]["total_s"])
                 speedups.append(speedup)
-                line.append(f"{set_name}: {speedup:4.2f}x L={m['mean_tokens_per_iter']:.2f} "
-                            f"fwd={m['mean_draft_forwards']:.1f} n={m['mean_drafted']:.0f}")
+                line.append(f"{set_name}: {speedup:4.2f}x L={m.mean_tokens_per_iter:.2f} "
+                            f"fwd={m.mean_draft_forwards:.1f} n={m.mean_drafted:.0f}")
             geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
             print(f"{strategy} {params}  geo {geo:4.2f}x | " + " | ".join(line), flush=True)
 

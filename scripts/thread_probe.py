@@ -50,7 +50,7 @@ def decode_rate(pair, spec) -> float:
     from engine.recipe import generate
     start = time.perf_counter()
     result = generate(pair, spec)
-    return result.metrics["new_tokens"] / (time.perf_counter() - start)
+    return result.metrics.new_tokens / (time.perf_counter() - start)
 
 
 def decode_times(name: str, strategy: str, max_new_tokens: int, rounds: int) -> None:

@@ -20,7 +20,6 @@ run: the delay of each streamed update (page shows iteration k minus the decoder
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
@@ -28,7 +27,8 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
+
+from engine.core.trace import load_run
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -90,14 +90,13 @@ def main(argv=None) -> None:
             updates = sum("decoding with" in str(o[1]) for o in outputs)  # streamed updates (status line)
             wall = time.perf_counter() - t0
             first = first if first is not None else wall
-            trace = json.loads(Path(out[2]).read_text())
-            m = trace["metrics"]
+            m = load_run(out[2]).metrics
             if i == 0:
                 continue
             firsts.append(first)
-            per_iter.append((wall - m["total_s"]) / m["iterations"])
-            print(f"run {i}: first tree {first * 1000:.0f} ms, {m['iterations']} iterations in {updates} streamed "
-                  f"updates, decode {m['total_s'] * 1000:.0f} ms, call {wall * 1000:.0f} ms")
+            per_iter.append((wall - m.total_s) / m.iterations)
+            print(f"run {i}: first tree {first * 1000:.0f} ms, {m.iterations} iterations in {updates} streamed "
+                  f"updates, decode {m.total_s * 1000:.0f} ms, call {wall * 1000:.0f} ms")
     finally:
         demo.close()
     print(f"median time Run -> first tree: {statistics.median(firsts) * 1000:.0f} ms")

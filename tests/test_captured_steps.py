@@ -300,7 +300,7 @@ def test_every_sampling_rule_on_captured_steps_draws_what_eager_draws(pair, host
     sampling = Sampling(temperature=0.9, seed=5)
     captured = generate(pair, spec(host, sampling, verifier=rule))
     eager = generate(pair, spec(host, sampling, verifier=rule, capture="off"))
-    assert captured.config["verifier"] == rule and captured.config["steps"] == "captured (AOTInductor)"
-    assert eager.config["steps"] == "eager"
+    assert captured.config.verifier == rule and captured.config.steps == "captured (AOTInductor)"
+    assert eager.config.steps == "eager"
     assert captured.output_ids == eager.output_ids
     assert [it.accepted for it in captured.iterations] == [it.accepted for it in eager.iterations]

@@ -6,6 +6,7 @@ import pytest
 
 from engine.bench.tables import run_method
 from engine.cli import main, strategy_docs
+from engine.core.trace import SCHEMA_VERSION
 from engine.strategies import STRATEGIES, StrategyError
 
 
@@ -21,7 +22,7 @@ def test_generate_writes_json_with_metrics_and_comparison(tmp_path, capsys):
         assert key in data["metrics"], key
     assert data["exact_match"] is True
     assert data["iterations"] and data["iterations"][0]["nodes"][0]["status"] == "root"
-    assert data["schema_version"] == 5
+    assert data["schema_version"] == SCHEMA_VERSION
 
 
 def test_compare_ar_warms_up_and_interleaves(monkeypatch, capsys):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.core.kernels import router_of
-from engine.core.trace import IterationCost, IterationRecord
+from engine.core.trace import IterationCost, IterationRecord, StageTimes
 from engine.decoder import Decoder
 from engine.measure import costs as costs_mod
 from engine.measure.autosize import WINDOW, AutoSizer, auto_sizing
@@ -174,7 +174,7 @@ def test_records_carry_predicted_and_measured_cost():
         assert cost.verify_rows == len([n for n in it.nodes if n.status != "bonus"])
         assert len(cost.draft_rows) == it.draft_forwards
         assert cost.predicted_verify_s == pytest.approx(0.01 * cost.verify_rows)
-        assert cost.measured_s == pytest.approx(it.times["draft"] + it.times["verify"])
+        assert cost.measured_s == pytest.approx(it.times.draft + it.times.verify)
     json.dumps(result.to_dict())
 
 
@@ -244,12 +244,12 @@ def test_sizer_scales_the_table_by_the_windows_measured_times():
     draft = sum(c.measured_draft_s for c in window) / sum(c.predicted_draft_s for c in window)
     verify = sum(c.measured_verify_s for c in window) / sum(c.predicted_verify_s for c in window)
     assert result.iterations[-1].cost.auto["table_scale"] == pytest.approx([draft, verify])
-    assert result.metrics["cost_drift"]["iterations"] == len(result.iterations) - 1
+    assert result.metrics.cost_drift["iterations"] == len(result.iterations) - 1
 
 
 def cost_record(index, draft, verify):
     it = IterationRecord(index=index, position=0, nodes=[], accepted_path=[0], bonus_token=0, bonus_text="",
-                         new_tokens=[0], drafted=0, accepted=0, draft_forwards=0, params={}, times={})
+                         new_tokens=[0], drafted=0, accepted=0, draft_forwards=0, params={}, times=StageTimes())
     it.cost = IterationCost(draft_rows=[], verify_rows=0, predicted_draft_s=1.0, predicted_verify_s=2.0,
                             predicted_s=3.0, measured_draft_s=draft, measured_verify_s=2.0 * verify,
                             measured_s=draft + 2.0 * verify)

@@ -1,5 +1,6 @@
 """Exactness of tree speculative decoding (fp32): output == target-only greedy output, token for token."""
 import ast
+import dataclasses
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ import torch
 
 from engine.core import kv
 from engine.core.prompts import PromptError
-from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, load_run
+from engine.core.trace import ACCEPTED, BONUS, REJECTED, ROOT, UNREACHED, StageTimes, load_run
 import engine.decoder
 from engine.decoder import Decoder
 from engine.strategies.base import RunHooks
@@ -202,12 +203,14 @@ def test_records_are_consistent(related_pair, tmp_path):
                 assert it.nodes[n.parent].status in (ROOT, ACCEPTED)
             if n.status == UNREACHED:
                 assert it.nodes[n.parent].status in (REJECTED, UNREACHED)
-        assert list(it.times) == ["draft", "build", "verify", "commit", "other", "total"]
-        stages = it.times["draft"] + it.times["build"] + it.times["verify"] + it.times["commit"] + it.times["other"]
-        assert it.times["total"] == pytest.approx(stages) and min(it.times.values()) >= 0.0
+        assert isinstance(it.times, StageTimes)
+        times = dataclasses.asdict(it.times)
+        assert list(times) == ["draft", "build", "verify", "commit", "other", "total"]
+        stages = it.times.draft + it.times.build + it.times.verify + it.times.commit + it.times.other
+        assert it.times.total == pytest.approx(stages) and min(times.values()) >= 0.0
     assert len(result.token_sources) == len(result.output_ids)
     m = result.metrics
-    assert m["mean_tokens_per_iter"] == pytest.approx((len(result.output_ids) - 1) / m["iterations"])
+    assert m.mean_tokens_per_iter == pytest.approx((len(result.output_ids) - 1) / m.iterations)
     path = tmp_path / "trace.json"
     result.save(path)
     replay = load_run(path)
@@ -299,7 +302,7 @@ def test_a_plug_in_hears_every_hook_in_order_and_its_rest_is_an_ar_step(related_
         generated += len(it.new_tokens)
     assert log.calls == expected
     for it in records[1:3]:  # the rested iterations: the root alone, no draft forward, one token
-        assert [n.status for n in it.nodes] == [ROOT, BONUS] and it.draft_forwards == 0 and it.times["draft"] == 0.0
+        assert [n.status for n in it.nodes] == [ROOT, BONUS] and it.draft_forwards == 0 and it.times.draft == 0.0
     assert records[3].draft_forwards > 0
 
 
@@ -322,5 +325,5 @@ def test_the_stage_clock_times_back_to_back_stages_and_carves_out_the_draft(monk
     for stage in ("build", "verify", "commit", "other"):
         with clock(stage):
             pass
-    assert clock.times(draft=0.25, within="build") == {"draft": 0.25, "build": 0.75, "verify": 2.5, "commit": 0.5,
-                                                       "other": 0.25, "total": 4.25}
+    assert clock.times(draft=0.25, within="build") == StageTimes(draft=0.25, build=0.75, verify=2.5, commit=0.5,
+                                                                 other=0.25, total=4.25)

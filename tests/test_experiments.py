@@ -20,10 +20,10 @@ def test_experiment_writes_table_and_figure(tmp_path, name):
 
 
 def test_mask_blocks_counts_tiles_of_the_ancestor_mask():
-    from engine.core.trace import IterationRecord, NodeRecord
+    from engine.core.trace import IterationRecord, NodeRecord, StageTimes
     chain = [NodeRecord(id=i, parent=i - 1, token=0, text="", depth=i, q=None, rank=None, path_q=None, p=None,
                         status="accepted") for i in range(4)]
     it = IterationRecord(index=0, position=0, nodes=chain, accepted_path=[0, 1, 2, 3], bonus_token=0, bonus_text="",
-                         new_tokens=[0], drafted=3, accepted=3, draft_forwards=3, params={}, times={})
+                         new_tokens=[0], drafted=3, accepted=3, draft_forwards=3, params={}, times=StageTimes())
     assert experiments.mask_blocks(it, 2) == 3  # a 4x4 lower triangle in 2x2 tiles: two diagonal, one below
     assert experiments.mask_blocks(it, 4) == 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.core.reports import LookupReport, SelectorChoice
-from engine.core.trace import IterationRecord, NodeRecord, RunResult, load_run
+from engine.core.trace import Comparison, IterationRecord, NodeRecord, RunConfig, RunResult, StageTimes, load_run
 from engine.measure.metrics import run_metrics
 from treeviz.figures.charts import charts_figure, throughput_figure
 from treeviz.figures.html import badge_html, metrics_html, token_pieces, tokens_html
@@ -51,8 +51,8 @@ def make_iteration(index=0, n=30, seed=0, texts=None, resampled=False) -> Iterat
     nodes.append(bonus)
     return IterationRecord(index=index, position=10, nodes=nodes, accepted_path=path, bonus_token=7, bonus_text="!",
                            new_tokens=[1] * len(path), drafted=n - 1, accepted=len(path) - 1, draft_forwards=3,
-                           params={}, times={"draft": 0.01, "build": 0.001, "verify": 0.02, "commit": 0.001,
-                                             "other": 0.0, "total": 0.032})
+                           params={}, times=StageTimes(draft=0.01, build=0.001, verify=0.02, commit=0.001,
+                                                        other=0.0, total=0.032))
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -176,8 +176,8 @@ def test_tokens_html_escapes_and_marks_provenance():
     assert html.count("class='tv-tok") == len(run.output_ids)
     assert "tv-sel" in html and "iteration 1" in html
     pieces = token_pieces(run)
-    assert [p["kind"] for p in pieces] == [s["kind"] for s in run.token_sources]
-    assert [p["text"] for p in pieces] == [s["text"] for s in run.token_sources]  # the engine's text, per token
+    assert [p["kind"] for p in pieces] == [s.kind for s in run.token_sources]
+    assert [p["text"] for p in pieces] == [s.text for s in run.token_sources]  # the engine's text, per token
     run.prompt = "<script>alert(1)</script>"
     assert "<script>" not in tokens_html(run)
 
@@ -186,33 +186,33 @@ def make_run(its, tokens_per_s=10.0, comparison=None) -> RunResult:
     """A RunResult over synthetic iterations, its metrics from engine.measure.metrics (as the decoder computes them)."""
     new_tokens = 1 + sum(it.committed for it in its)
     return RunResult(prompt="p", prompt_ids=[1], output_ids=[0] * new_tokens, output_text="", strategy="x",
-                     params={}, config={}, iterations=its, comparison=comparison,
-                     metrics={**run_metrics(its, new_tokens, new_tokens / tokens_per_s, 0.01)})
+                     params={}, config=RunConfig(), iterations=its, comparison=comparison,
+                     metrics=run_metrics(its, new_tokens, new_tokens / tokens_per_s, 0.01))
 
 
 def test_charts_read_the_runs_metrics():
     its = [make_iteration(index=i, n=10, seed=i) for i in range(4)]
-    run = make_run(its, comparison={"exact_match": False, "first_divergence": 5, "reference_margin": 0.01})
+    run = make_run(its, comparison=Comparison(exact_match=False, first_divergence=5, reference_margin=0.01))
     fig = charts_figure(run, selected=2)
     by_name = {t.name: t for t in fig.data}
     lbar = next(t for name, t in by_name.items() if name.startswith("L̄ ="))
-    assert list(lbar.y) == [run.metrics["mean_tokens_per_iter"]] * 2
-    assert list(by_name["P(ℓ ≥ d)"].y) == run.metrics["per_depth_acceptance"]
+    assert list(lbar.y) == [run.metrics.mean_tokens_per_iter] * 2
+    assert list(by_name["P(ℓ ≥ d)"].y) == run.metrics.per_depth_acceptance
     assert {"acceptance rate", "draft", "verify"} <= set(by_name)
     total = charts_figure(run, stage_mode="total")
     verify = next(t for t in total.data if t.name == "verify")
-    assert list(verify.y) == [run.metrics["stage_s"]["verify"] * 1000]
+    assert list(verify.y) == [run.metrics.stage_s.verify * 1000]
     html = metrics_html(run)
-    assert f"{run.metrics['mean_tokens_per_iter']:.2f}" in html and f"{run.metrics['acceptance_rate']:.2f}" in html
+    assert f"{run.metrics.mean_tokens_per_iter:.2f}" in html and f"{run.metrics.acceptance_rate:.2f}" in html
 
 
 def test_badge_and_throughput():
     run = make_run([make_iteration(index=i, n=10, seed=i) for i in range(4)],
-                   comparison={"exact_match": False, "first_divergence": 5, "reference_margin": 0.01})
+                   comparison=Comparison(exact_match=False, first_divergence=5, reference_margin=0.01))
     assert "differs from AR from token 5" in badge_html(run.comparison)
-    assert "matches AR" in badge_html({"exact_match": True, "compared_tokens": 9})
+    assert "matches AR" in badge_html(Comparison(exact_match=True, compared_tokens=9))
     tp = throughput_figure(run, make_run([make_iteration()], tokens_per_s=5.0))
-    assert "speedup" in tp.layout.title.text and f"{run.metrics['tokens_per_s'] / 5.0:.2f}×" in tp.layout.title.text
+    assert "speedup" in tp.layout.title.text and f"{run.metrics.tokens_per_s / 5.0:.2f}×" in tp.layout.title.text
     assert "over AR (eager)" in tp.layout.title.text  # the app's AR is eager; bench also times a compiled one
 
 

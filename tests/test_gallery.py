@@ -24,8 +24,8 @@ def test_make_gallery_writes_bounded_traces_with_ar_beside_them(tmp_path, capsys
                      "tiny-random_code_dynatree_paper.json"]
     for path in tmp_path.glob("*.json"):
         run = load_run(path)
-        assert path.stat().st_size <= 12 * 1024 or run.metrics["new_tokens"] <= make_gallery.MIN_TOKENS
-        assert run.comparison and run.comparison["speedup_vs_ar"] and run.params
+        assert path.stat().st_size <= 12 * 1024 or run.metrics.new_tokens <= make_gallery.MIN_TOKENS
+        assert run.comparison and run.comparison.speedup_vs_ar and run.params
         assert run.strategy == "dynatree" and run.iterations[0].nodes[0].next_p
     assert load_run(tmp_path / "tiny-random_code_dynatree_paper.json").params["budget"] == 256  # the paper preset
     assert "gallery:" in capsys.readouterr().out
@@ -65,7 +65,7 @@ def test_the_committed_gallery_is_real_small_and_replays():
         run = load_run(path)
         assert run.iterations and run.output_ids and run.comparison
         kinds.add(path.stem.split("_")[1])
-        strategies.add((run.strategy, path.stem.rsplit("_", 1)[-1], run.config["sampling"]["temperature"]))
+        strategies.add((run.strategy, path.stem.rsplit("_", 1)[-1], run.config.sampling.temperature))
         views = render_views(run, None, 0)
         assert set(views) == set(RUN_OUTPUTS[5:])
     assert kinds == {"code", "chat", "prose"}
@@ -77,15 +77,15 @@ def test_the_committed_gallery_is_real_small_and_replays():
 def test_the_gallery_opens_on_a_real_speedup():
     first = gallery_traces()[0]
     run = load_run(first)
-    assert not run.config["target"].startswith("tiny")
-    assert run.comparison["speedup_vs_ar"] > 1.0, gallery_label(first)
-    assert run.comparison["exact_match"], "the first view is a greedy run that equals AR, not a bf16 near-tie caveat"
-    assert f"{run.comparison['speedup_vs_ar']:.2f}×" in gallery_label(first)
+    assert not run.config.target.startswith("tiny")
+    assert run.comparison.speedup_vs_ar > 1.0, gallery_label(first)
+    assert run.comparison.exact_match, "the first view is a greedy run that equals AR, not a bf16 near-tie caveat"
+    assert f"{run.comparison.speedup_vs_ar:.2f}×" in gallery_label(first)
 
 
 @pytest.mark.parametrize("path", sorted(TRACE_DIR.glob("*.json")), ids=lambda p: p.stem)
 def test_every_gallery_speedup_names_the_machine_it_was_measured_on(path):
-    machine = load_run(path).config.get("machine")
+    machine = load_run(path).config.machine
     assert machine and f"vs AR on {machine}" in gallery_label(path)
 
 
@@ -93,7 +93,7 @@ def test_a_new_run_records_its_machine(related_pair):
     from engine.models.devices import machine_label
     from engine.recipe import RunSpec, generate
     run = generate(related_pair, RunSpec(pair="tiny-random", prompt="ab", strategy="dynatree", max_new_tokens=4))
-    assert run.config["machine"] == machine_label(related_pair.device) and "cores" in run.config["machine"]
+    assert run.config.machine == machine_label(related_pair.device) and "cores" in run.config.machine
 
 
 @pytest.mark.parametrize("path", sorted(TRACE_DIR.glob("*.json")), ids=lambda p: p.stem)

@@ -375,8 +375,8 @@ def test_grafted_strategy_decodes_exactly_like_ar_within_the_budget(name):
         assert sum(n.source in ("model", "both") for n in it.nodes) <= model_budget
     sources = {node.source for it in result.iterations for node in it.nodes if node.status != "bonus"}
     assert {"root", "model"} <= sources and sources & {"lookup", "both"}
-    by_source = result.metrics["acceptance_by_source"]
-    assert sum(s["drafted"] for s in by_source.values()) == sum(it.drafted for it in result.iterations)
+    by_source = result.metrics.acceptance_by_source
+    assert sum(s.drafted for s in by_source.values()) == sum(it.drafted for it in result.iterations)
 
 
 @pytest.mark.parametrize("name", GRAFTED)
@@ -428,7 +428,7 @@ def test_sources_survive_a_trace_round_trip_and_older_traces_read_as_model():
         for node in it["nodes"]:
             del node["source"]
     back = run_from_dict(old)
-    assert SCHEMA_VERSION == 5
+    assert SCHEMA_VERSION == 6
     assert all(s == ["root"] + ["model"] * (len(s) - 2) + ["target"]
                for s in ([n.source for n in it.nodes] for it in back.iterations))
 

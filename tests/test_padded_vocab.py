@@ -87,7 +87,7 @@ def test_greedy_equals_the_target_alone(pair, name):
     want = target_alone(pair, 40)
     result = Decoder(pair, make_strategy(name)).generate(PROMPT, max_new_tokens=40, stop_on_eos=False)
     assert result.output_ids == want
-    assert result.metrics["mean_accepted_len"] > 0.5  # the draft does draft: it shares the target's rows
+    assert result.metrics.mean_accepted_len > 0.5  # the draft does draft: it shares the target's rows
 
 
 def test_a_wider_draft_is_cut_to_the_target(folders):

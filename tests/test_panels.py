@@ -9,7 +9,7 @@ import torch
 
 from engine.core.sampling import Sampling
 from engine.core.trace import (ACCEPTED, BONUS, REJECTED, ROOT, TOP_K, UNREACHED, IterationCost, IterationRecord,
-                               NodeRecord, RunResult, TraceError, run_from_dict)
+                               Comparison, NodeRecord, RunConfig, RunResult, StageTimes, TraceError, run_from_dict)
 from engine.decoder import Decoder
 from engine.measure.metrics import calibration, run_metrics
 from engine.strategies import make_strategy
@@ -104,7 +104,7 @@ def iteration(nodes, index=0):
     root = NodeRecord(0, -1, 1, "r", 0, None, None, 1.0, None, ROOT)
     return IterationRecord(index=index, position=5, nodes=[root, *nodes], accepted_path=[0], bonus_token=0,
                            bonus_text="", new_tokens=[1], drafted=len(nodes), accepted=0, draft_forwards=1,
-                           params={}, times={})
+                           params={}, times=StageTimes())
 
 
 def test_calibration_bins_tested_nodes_by_q():
@@ -204,11 +204,11 @@ def cost_run(comparison=None) -> RunResult:
         its.append(it)
     metrics = run_metrics(its, 7, 0.7, 0.05)  # 10 tokens/s
     return RunResult(prompt="p", prompt_ids=[1], output_ids=[0] * 7, output_text="", strategy="x", params={},
-                     config={}, iterations=its, metrics=metrics, comparison=comparison)
+                     config=RunConfig(), iterations=its, metrics=metrics, comparison=comparison)
 
 
 def test_cost_panel_draws_the_recorded_costs():
-    run = cost_run(comparison={"speedup_vs_ar": 2.0})  # AR: 5 tokens/s = 200 ms per token
+    run = cost_run(comparison=Comparison(speedup_vs_ar=2.0))  # AR: 5 tokens/s = 200 ms per token
     rows = cost_rows(run)
     assert [r["verify_rows"] for r in rows] == [8, 16, 4]
     fig = cost_figure(run)
@@ -256,7 +256,7 @@ def test_cost_panel_title_says_how_far_the_run_is_from_the_table():
     run = cost_run()  # measured: draft 1.2×, verify 1.25× the prediction (the first iteration left out)
     title = cost_figure(run).layout.title.text
     assert "draft 1.20×, verify 1.25×" in title and "beyond" not in title  # 2 iterations: too few to warn
-    run.metrics["cost_drift"] = {"draft": 1.6, "verify": 1.0, "iterations": 10}
+    run.metrics.cost_drift = {"draft": 1.6, "verify": 1.0, "iterations": 10}
     title = cost_figure(run).layout.title.text
     assert "draft 1.60×, verify 1.00×" in title and "beyond ×1.3" in title
 

@@ -14,6 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from chisq import chi_square_pvalue
 from engine.core.sampling import Sampling, SamplingError
+from engine.core.trace import RunSampling
 from engine.decoder import Decoder
 from engine.models import ModelPair
 from engine.strategies import STRATEGIES, make_strategy
@@ -205,8 +206,8 @@ def test_runs_are_seeded_and_record_sampling(small_pair):
     assert a.output_ids == b.output_ids
     assert any(make(s).generate(PROMPT, max_new_tokens=24, stop_on_eos=False).output_ids != a.output_ids
                for s in range(4, 8))
-    assert a.config["sampling"] == {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 3}
-    assert a.config["verifier"] == "token_matching"
+    assert a.config.sampling == RunSampling(temperature=0.7, top_k=0, top_p=0.9, seed=3)
+    assert a.config.verifier == "token_matching"
     # trace: p is the processed target probability; sampling rules fill accept_prob on tried children
     probs = [n.p for it in a.iterations for n in it.nodes if n.p is not None]
     assert probs and all(0.0 <= p <= 1.0 for p in probs)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.bench.sweep import MAX_POINTS, predicted_tokens_per_s, run_sweep, size_values
-from engine.core.trace import IterationCost, IterationRecord, NodeRecord, load_run
+from engine.core.trace import IterationCost, IterationRecord, NodeRecord, StageTimes, load_run
 from engine.measure.timeline import accepted_length_counts, parent_entropies, speedup, token_timeline, top_k_entropy
 from engine.recipe import RunSpec, start_run
 from treeviz.figures.charts_teaching import acceptance_histogram_figure, entropy_sizes
@@ -48,12 +48,12 @@ def test_timeline_follows_the_records_and_finishes_at_the_measured_decode_time(r
     for run in [r for _, r in race_runs] + [gallery_run]:
         events = token_timeline(run)
         assert [e["token"] for e in events] == run.output_ids
-        assert [e["kind"] for e in events] == [s["kind"] for s in run.token_sources]
-        assert events[0]["time_s"] == pytest.approx(run.metrics["ttft_s"])
+        assert [e["kind"] for e in events] == [s.kind for s in run.token_sources]
+        assert events[0]["time_s"] == pytest.approx(run.metrics.ttft_s)
         times = [e["time_s"] for e in events]
         assert times == sorted(times)
         # the lane's finish is the run's measured decode time, within 5 %
-        assert abs(times[-1] - run.metrics["total_s"]) <= 0.05 * run.metrics["total_s"]
+        assert abs(times[-1] - run.metrics.total_s) <= 0.05 * run.metrics.total_s
         # each iteration's tokens share one timestamp: the cumulative measured time of that iteration
         for it in run.iterations:
             mine = {e["time_s"] for e in events if e["iteration"] == it.index}
@@ -75,7 +75,7 @@ def load_run_copy(run):
 def test_speedup_is_ar_decode_time_over_the_run_s(race_runs):
     ar, tree = race_runs[0][1], race_runs[1][1]
     assert len(ar.output_ids) == len(tree.output_ids)  # greedy: same tokens, so the ratio of times
-    assert speedup(tree, ar) == pytest.approx(ar.metrics["total_s"] / tree.metrics["total_s"], rel=1e-9)
+    assert speedup(tree, ar) == pytest.approx(ar.metrics.total_s / tree.metrics.total_s, rel=1e-9)
 
 
 def test_race_figure_replays_every_token_at_three_speeds(race_runs):
@@ -147,7 +147,7 @@ def test_verdict_order_groups_many_rejected_siblings():
     nodes = [NodeRecord(0, -1, 1, "r", 0, None, None, 1.0, None, "root")]
     nodes += [NodeRecord(i, 0, 10 + i, f"t{i}", 1, 0.1, i - 1, 0.1, 0.05, "rejected") for i in range(1, n + 1)]
     nodes.append(NodeRecord(n + 1, 0, 99, "b", 1, None, None, None, 0.5, "bonus"))
-    it = IterationRecord(0, 5, nodes, [0], 99, "b", [99], n, 0, 1, {}, {"total": 0.01})
+    it = IterationRecord(0, 5, nodes, [0], 99, "b", [99], n, 0, 1, {}, StageTimes(total=0.01))
     groups = verdict_order(it)
     assert [len(g) for g in groups] == [n, 1]
     assert [g.rank for g in groups[0]] == list(range(n))
@@ -188,7 +188,7 @@ def test_predicted_tokens_per_s_reads_the_records_costs(race_runs):
     assert predicted_tokens_per_s(run) is None  # the tiny pair has no cost table
     for it in run.iterations:
         it.cost = IterationCost([1], 2, 0.001, 0.002, 0.003, 0.0, 0.0, 0.0)
-    expected = run.metrics["new_tokens"] / (run.metrics["ttft_s"] + 0.003 * len(run.iterations))
+    expected = run.metrics.new_tokens / (run.metrics.ttft_s + 0.003 * len(run.iterations))
     assert predicted_tokens_per_s(run) == pytest.approx(expected)
 
 
@@ -219,7 +219,8 @@ def test_make_sweep_script_writes_json(tmp_path):
 
 # -- histogram and entropy -------------------------------------------------------------------------------------------
 def test_acceptance_histogram_counts_and_groups(race_runs, gallery_run):
-    its = [IterationRecord(i, 0, [], [0], 0, "", [0] * (a + 1), 3, a, 1, {}, {}) for i, a in enumerate([0, 2, 2, 1])]
+    its = [IterationRecord(i, 0, [], [0], 0, "", [0] * (a + 1), 3, a, 1, {}, StageTimes())
+           for i, a in enumerate([0, 2, 2, 1])]
     assert accepted_length_counts(its) == [1, 1, 2]
     assert accepted_length_counts([]) == []
     fig = acceptance_histogram_figure([race_runs[1], ("gallery", gallery_run)])

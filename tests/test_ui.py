@@ -122,7 +122,7 @@ def test_a_throttled_stream_still_delivers_every_iteration(monkeypatch):
     streamed = [o for o in outputs if "decoding with" in str(o[3])]
     assert len(streamed) == 1  # only the first iteration went out live: the rest were batched
     final = outputs[-1]
-    run, n = final[0], final[0].metrics["iterations"]
+    run, n = final[0], final[0].metrics.iterations
     assert n > 3 and [it.index for it in run.iterations] == list(range(n))
     scrubber = next(o[2] for o in reversed(outputs) if "maximum" in o[2])
     assert scrubber["maximum"] == scrubber["value"] == n - 1  # the scrubber reaches every iteration
@@ -366,16 +366,16 @@ def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
     pm = PairManager()
     pm.request("default")
     deadline = time.time() + 10
-    while pm.status()["progress"][0] < 0.3 and time.time() < deadline:
+    while pm.status().progress[0] < 0.3 and time.time() < deadline:
         time.sleep(0.05)
     st = pm.status()
-    assert st["loading"] and st["progress"] == (0.3, "converting GGUF")
+    assert st.loading and st.progress == (0.3, "converting GGUF")
     pm.request("tiny-random")
     pair = next((p for _ in range(240) if (p := pm.ready("tiny-random")) is not None), None)  # <= 60 s
-    assert pair is not None and pm.status()["loaded"] == "tiny-random"
+    assert pair is not None and pm.status().loaded == "tiny-random"
     release.set()
     time.sleep(0.3)
-    assert pm.status()["loaded"] == "tiny-random" and not pm.status()["error"]  # the stale load is ignored
+    assert pm.status().loaded == "tiny-random" and not pm.status().error  # the stale load is ignored
     pm.request("default")
     with pytest.raises(UserError) as info:
         for _ in range(240):  # each ready() waits up to 0.25 s for the load to finish or fail

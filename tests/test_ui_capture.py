@@ -18,9 +18,9 @@ SPEC = RunSpec(pair="tiny-random", prompt="def tree(n):", strategy="dynatree", m
 
 def wait_for_capture(pairs: PairManager, timeout: float = 900.0) -> None:
     deadline = time.monotonic() + timeout
-    while pairs.status()["capture"] and time.monotonic() < deadline:
+    while pairs.status().capture and time.monotonic() < deadline:
         time.sleep(1.0)
-    assert not pairs.status()["capture"], pairs.status()["capture"]
+    assert not pairs.status().capture, pairs.status().capture
 
 
 def test_first_start_serves_eagerly_then_switches_to_captured_steps(tmp_path, monkeypatch):
@@ -29,21 +29,21 @@ def test_first_start_serves_eagerly_then_switches_to_captured_steps(tmp_path, mo
     pairs.load("tiny-random")  # this thread: load, then the builder process starts in the background
     pair = pairs.pair
     assert pair.capture == "aoti" and not pair.capture_ready
-    assert re.search(r"compiling \d+ captured step\(s\) in the background", pairs.status()["capture"])
+    assert re.search(r"compiling \d+ captured step\(s\) in the background", pairs.status().capture)
     eager = generate(pair, SPEC)
-    assert eager.config["steps"] == "eager"  # a run while the packages compile: eager, and says so
+    assert eager.config.steps == "eager"  # a run while the packages compile: eager, and says so
 
     wait_for_capture(pairs)
     loaded = {role: len(c.packages) for role, c in pair.captured.items()}
     assert loaded.get("target") and loaded.get("draft"), loaded  # built by the other process, loaded here
-    assert "captured (AOTInductor)" in pairs.status()["description"]
+    assert "captured (AOTInductor)" in pairs.status().description
     # which row counts the packages serve is the measurement's call (only where faster than eager; on a tiny model
     # that is machine noise); what a run takes must say which, and a captured run must match the eager one
-    assert generate(pair, SPEC).config["steps"] == ("captured (AOTInductor)" if pair.capture_ready else "eager")
+    assert generate(pair, SPEC).config.steps == ("captured (AOTInductor)" if pair.capture_ready else "eager")
     for captured in pair.captured.values():
         captured.serve_all()  # every row count through its package: the captured path, whatever it measured
     captured_run = generate(pair, SPEC)
-    assert captured_run.config["steps"].startswith("captured (AOTInductor)")
+    assert captured_run.config.steps.startswith("captured (AOTInductor)")
     assert captured_run.output_ids == eager.output_ids
     assert list((tmp_path / "captured").glob("*.pt2")), "the packages are on disk for the next start"
 
@@ -56,9 +56,9 @@ def test_first_start_serves_eagerly_then_switches_to_captured_steps(tmp_path, mo
 
     again = PairManager(capture="auto")  # a second start: everything built, loaded before the first run
     again.load("tiny-random")
-    assert not again.status()["capture"]  # no builder started
+    assert not again.status().capture  # no builder started
     assert all(c.packages for c in again.pair.captured.values())
     info = again.pair.capture_info
     assert all(p["compile_s"] is None for role in info.values() for p in role["packages"])  # nothing compiled
     expected = "captured (AOTInductor)" if again.pair.capture_ready else "eager"
-    assert generate(again.pair, SPEC).config["steps"] == expected
+    assert generate(again.pair, SPEC).config.steps == expected

@@ -141,9 +141,9 @@ def _empty_sweep(pair, spec: RunSpec, param, values: list[int]) -> dict[str, Any
 def point(run) -> dict[str, Any]:
     """One run's numbers for the curves: the engine's metrics, and the cost model's prediction where it has one."""
     m = run.metrics
-    return {"mean_tokens_per_iter": m.get("mean_tokens_per_iter"), "acceptance_rate": m.get("acceptance_rate"),
-            "tokens_per_s": m.get("tokens_per_s"), "predicted_tokens_per_s": predicted_tokens_per_s(run),
-            "new_tokens": m.get("new_tokens"), "total_s": m.get("total_s"), "iterations": m.get("iterations")}
+    return {"mean_tokens_per_iter": m.mean_tokens_per_iter, "acceptance_rate": m.acceptance_rate,
+            "tokens_per_s": m.tokens_per_s, "predicted_tokens_per_s": predicted_tokens_per_s(run),
+            "new_tokens": m.new_tokens, "total_s": m.total_s, "iterations": m.iterations}
 
 
 def predicted_tokens_per_s(run) -> float | None:
@@ -153,5 +153,5 @@ def predicted_tokens_per_s(run) -> float | None:
     its = run.iterations
     if not its or any(it.cost is None for it in its):
         return None
-    seconds = float(run.metrics.get("ttft_s") or 0.0) + sum(it.cost.predicted_s for it in its)
-    return run.metrics["new_tokens"] / seconds if seconds > 0 else None
+    seconds = float(run.metrics.ttft_s or 0.0) + sum(it.cost.predicted_s for it in its)
+    return run.metrics.new_tokens / seconds if seconds > 0 else None

@@ -19,6 +19,7 @@ AR is decoded on each prompt right before the other methods, so drift of the mac
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
@@ -30,7 +31,7 @@ from engine.core.prompts import encode_prompt, load_prompt_set
 from engine.core.sampling import Sampling
 from engine.core.trace import RunResult
 from engine.measure.metrics import (DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off,
-                                    lookup_work)
+                                    lookup_work, stage_sums)
 from engine.models import ModelPair
 from engine.recipe import RunSpec, generate
 from engine.strategies import STRATEGIES, StrategyError
@@ -107,7 +108,7 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
                    capture="off" if eager else "auto")
     result = generate(pair, spec, verifier if isinstance(verifier, Verifier) else None)
     return {"output_ids": result.output_ids, "new_tokens": len(result.output_ids),
-            "total_s": result.metrics["total_s"], "result": result}
+            "total_s": result.metrics.total_s, "result": result}
 
 
 def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_tokens: int = 96,
@@ -192,7 +193,7 @@ def compiled_baseline(pair: ModelPair, methods: list[str], mode: str, sets: list
 def ar_bandwidth(pair: ModelPair, ar_outs: list[dict]) -> float | None:
     """GB/s AR achieved: the target's linear weight bytes per step ÷ AR's measured time per output token (TPOT,
     prefill excluded). None without a cost table (it knows the bytes a step reads on the installed routing)."""
-    tpots = [o["result"].metrics["tpot_s"] if "result" in o else o.get("tpot_s") for o in ar_outs]
+    tpots = [o["result"].metrics.tpot_s if "result" in o else o.get("tpot_s") for o in ar_outs]
     tpots = [t for t in tpots if t]
     if pair.costs is None or not tpots:
         return None
@@ -223,12 +224,12 @@ def summarise(set_name: str, method: str, outs: list[dict], ar_tps: float) -> di
             "mean_accepted_len": sum(it.accepted for it in iters) / len(iters),
             "acceptance_rate": sum(it.accepted for it in iters) / drafted if drafted else None,
             "iterations": sum(len(r.iterations) for r in results) / len(results),
-            "ttft_s": sum(r.metrics["ttft_s"] for r in results) / len(results),
-            "tpot_s": sum(r.metrics["tpot_s"] or 0.0 for r in results) / len(results),
-            "stage_s": {s: sum(r.metrics["stage_s"][s] for r in results) / len(results)
-                        for s in results[0].metrics["stage_s"]},
+            "ttft_s": sum(r.metrics.ttft_s for r in results) / len(results),
+            "tpot_s": sum(r.metrics.tpot_s or 0.0 for r in results) / len(results),
+            "stage_s": {s: t / len(results)
+                        for s, t in asdict(stage_sums([r.metrics.stage_s for r in results])).items()},
             "cost_drift": cost_drift(iters),
-            "acceptance_by_source": acceptance_by_source(iters),
+            "acceptance_by_source": {s: asdict(a) for s, a in acceptance_by_source(iters).items()},
             "lookup": lookup_work(iters),
         })
     return row
@@ -278,7 +279,7 @@ def compare_with_ar(pair: ModelPair, spec: RunSpec, repeats: int = 1) -> RunResu
     """`spec` against AR on the same prompt and settings, measured like the bench: one short warm-up run of each
     first (excluded: first calls pay for allocator growth and kernel selection), then `repeats` runs of each,
     interleaved (AR, method, AR, method, ...) so the machine's drift hits both alike. The fastest run of each is
-    compared: the method's is returned, its `comparison` (speedup, exact match) and metrics["speedup_vs_ar"] set."""
+    compared: the method's is returned, its `comparison` (speedup, exact match) and metrics.speedup_vs_ar set."""
     if repeats < 1:
         raise ValueError(f"compare with AR needs at least one run of each, got {repeats}")
     ar = spec.as_method("ar")
@@ -290,13 +291,12 @@ def compare_with_ar(pair: ModelPair, spec: RunSpec, repeats: int = 1) -> RunResu
         runs.append(generate(pair, spec))
     result, reference = fastest(runs), fastest(ar_runs)
     comparison = compare_outputs(result, reference)
-    comparison.update(runs_each=repeats, ar_tokens_per_s=reference.metrics["tokens_per_s"])
+    comparison.runs_each, comparison.ar_tokens_per_s = repeats, reference.metrics.tokens_per_s
     result.comparison = comparison
-    if "speedup_vs_ar" in comparison:
-        result.metrics["speedup_vs_ar"] = comparison["speedup_vs_ar"]
+    result.metrics.speedup_vs_ar = comparison.speedup_vs_ar
     return result
 
 
 def fastest(runs: list[RunResult]) -> RunResult:
     """The run with the highest tokens/s: the one the busy machine disturbed least."""
-    return max(runs, key=lambda r: r.metrics["tokens_per_s"] or 0.0)
+    return max(runs, key=lambda r: r.metrics.tokens_per_s or 0.0)

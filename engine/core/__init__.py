@@ -8,7 +8,8 @@
   attention.py    tree_sdpa: grouped-query attention folded into rows, registered with transformers
   kernels.py      CPU kernel paths per linear layer (plain, packed, int8, int4) and their routing by row count
   lookup.py       context-lookup drafts (no draft model): n-gram matches in the prompt and output
-  trace.py        IterationRecord, IterationCost, RunResult: the plain JSON-able records a run yields
+  trace.py        IterationRecord, IterationCost, RunResult and its RunMetrics, RunConfig, Comparison, TokenSource,
+                  StageTimes: the plain JSON-able records a run yields
   sampling.py     sampling settings and the processed distributions
   prompts.py      the shipped prompt sets and prompt encoding
   runtime.py      device synchronisation and the cache folder

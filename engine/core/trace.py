@@ -17,9 +17,11 @@ from engine.core.reports import LookupReport, SelectorChoice
 # 2: NodeRecord.next_p / next_q (top-k next-token distributions per expanded node); 3: IterationRecord.cost (was
 # extra["cost"], converted on load); 4: NodeRecord.source (older traces: "model", the root "root"); 5:
 # IterationRecord.lookup and .selector (were extra["lookup_s" / "lookup_only" / "lookup_match" / "lookup_match_leaf"]
-# and extra["selector"], converted on load)
-SCHEMA_VERSION = 5
-READABLE = (1, 2, 3, 4, 5)
+# and extra["selector"], converted on load); 6: the run's metrics, config, comparison, token sources and each
+# iteration's times are typed (RunMetrics, RunConfig, Comparison, TokenSource, StageTimes); the JSON keeps the field
+# names, metrics["stage_s"] gains "total", and a field an older trace lacks loads as its default (None where optional)
+SCHEMA_VERSION = 6
+READABLE = (1, 2, 3, 4, 5, 6)
 TOP_K = 10  # entries in NodeRecord.next_p / next_q
 
 # Node outcomes. "rejected": a child of an accepted node that the target did not pick; "unreached": below a
@@ -73,6 +75,139 @@ class IterationCost:
     auto: dict[str, Any] | None = None   # the `auto` preset's choice of the next size (engine/measure/autosize.py)
 
 
+def known(cls, data: dict[str, Any] | None):
+    """`cls` from a plain dict as a trace stores it: keys `cls` has no field for are dropped (an older or newer
+    writer's), fields the dict lacks take their defaults."""
+    names = {f.name for f in dataclass_fields(cls)}
+    return cls(**{k: v for k, v in (data or {}).items() if k in names})
+
+
+@dataclass
+class StageTimes:
+    """Seconds of an iteration's stages (IterationRecord.times), or their sums over a run (RunMetrics.stage_s):
+    drafting, tree building, verification, commit, the rest; `total` = their sum, the iteration's wall time."""
+    draft: float = 0.0
+    build: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0
+    other: float = 0.0
+    total: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float] | None) -> StageTimes:
+        """Schema < 6 run sums had no "total": it is the sum of the stages."""
+        times = known(cls, data)
+        if data is not None and "total" not in data:
+            times.total = times.draft + times.build + times.verify + times.commit + times.other
+        return times
+
+
+STAGES = ("draft", "build", "verify", "commit", "other")  # StageTimes' parts; total is their sum
+
+
+@dataclass
+class TokenSource:
+    """Where one output token came from: the iteration that committed it (-1: the prefill), how ("prefill",
+    "accepted", "bonus"), the target's top-1 minus top-2 logit there, its text (None: a trace too old to record it)."""
+    iteration: int
+    kind: str
+    margin: float | None = None
+    text: str | None = None
+
+
+@dataclass
+class RunSampling:
+    """The sampling settings a run ran with, as engine/core/sampling.py's Sampling holds them (a plain copy: the
+    trace stays a leaf of engine.core)."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RunConfig:
+    """What a run ran with: models, how their forwards ran, device, sampling, stopping. Fields an older trace did
+    not record load as their defaults."""
+    target: str | None = None
+    draft: str | None = None             # None: a strategy with no draft model
+    steps: str = "eager"                 # "eager", "CUDA graphs", "captured (AOTInductor)"
+    device: str = ""
+    dtype: str = ""
+    machine: str | None = None
+    verifier: str = ""
+    sampling: RunSampling = field(default_factory=RunSampling)
+    max_new_tokens: int | None = None
+    stop_on_eos: bool = True
+    stop_strings: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RunConfig:
+        config = known(cls, data)
+        if isinstance(config.sampling, dict):
+            config.sampling = known(RunSampling, config.sampling)
+        return config
+
+
+@dataclass
+class SourceAcceptance:
+    """Drafted and accepted nodes of one proposing source over a run (RunMetrics.acceptance_by_source)."""
+    drafted: int
+    accepted: int
+    rate: float
+
+
+@dataclass
+class RunMetrics:
+    """A run's numbers, defined once in engine/measure/metrics.py (run_metrics builds them). None: undefined for this
+    run (tokens/s of a zero-second run, acceptance of a run that drafted nothing, speedup of a run not compared)."""
+    new_tokens: int = 0
+    iterations: int = 0
+    total_s: float = 0.0
+    ttft_s: float = 0.0
+    tpot_s: float | None = None
+    tokens_per_s: float | None = None
+    mean_tokens_per_iter: float | None = None
+    mean_accepted_len: float | None = None
+    acceptance_rate: float | None = None
+    acceptance_by_source: dict[str, SourceAcceptance] = field(default_factory=dict)  # only sources that drafted
+    per_depth_acceptance: list[float] = field(default_factory=list)
+    mean_drafted: float | None = None
+    mean_draft_forwards: float | None = None
+    stage_s: StageTimes = field(default_factory=StageTimes)
+    cost_drift: dict[str, float] = field(default_factory=dict)  # {"draft": ratio, "verify": ratio, "iterations": n}
+    speedup_vs_ar: float | None = None   # set by the bench (engine/bench/tables.py), which compares every method
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RunMetrics:
+        metrics = known(cls, data)
+        metrics.stage_s = StageTimes.from_dict(metrics.stage_s if isinstance(metrics.stage_s, dict) else None)
+        metrics.acceptance_by_source = {s: known(SourceAcceptance, a) for s, a in metrics.acceptance_by_source.items()}
+        return metrics
+
+
+@dataclass
+class Comparison:
+    """A run against an AR run of the same prompt (engine/measure/metrics.py compare_outputs), with where AR's
+    figure came from where the app or the bench recorded it."""
+    exact_match: bool = False
+    first_divergence: int | None = None  # first differing token; None when equal
+    compared_tokens: int = 0
+    reference_margin: float | None = None  # AR's top-2 logit margin at the divergence
+    run_margin: float | None = None
+    speedup_vs_ar: float | None = None   # None where either run has no tokens/s
+    ar_reused: bool | None = None        # the app's AR cache (treeviz/ar_cache.py): reused, when measured, how long ago
+    ar_measured_at: float | None = None
+    ar_age_s: float | None = None
+    ar_steps: str | None = None
+    runs_each: int | None = None         # the bench: runs per method, and AR's tokens/s it divided by
+    ar_tokens_per_s: float | None = None
+
+
 @dataclass
 class IterationRecord:
     index: int
@@ -86,7 +221,7 @@ class IterationRecord:
     accepted: int                        # accepted draft tokens (bonus excluded)
     draft_forwards: int
     params: dict[str, Any]               # strategy parameters in force for this iteration
-    times: dict[str, float]              # seconds: draft, build, verify, commit, other, total
+    times: StageTimes                    # seconds: draft, build, verify, commit, other, total
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific signals (e.g. SALF's round sums)
     cost: IterationCost | None = None    # None without a cost table
     lookup: LookupReport | None = None   # the context lookup's work, where a lookup drafted (engine/core/reports.py)
@@ -105,12 +240,12 @@ class RunResult:
     output_text: str
     strategy: str
     params: dict[str, Any]
-    config: dict[str, Any]               # models, device, dtype, sampling, stopping
+    config: RunConfig                    # models, device, dtype, sampling, stopping
     iterations: list[IterationRecord]
-    metrics: dict[str, Any]
+    metrics: RunMetrics
     stop_reason: str = ""
-    comparison: dict[str, Any] | None = None  # vs an AR run of the same prompt: exact_match, first_divergence, ...
-    token_sources: list[dict[str, Any]] = field(default_factory=list)  # per output token: iteration, kind
+    comparison: Comparison | None = None  # vs an AR run of the same prompt
+    token_sources: list[TokenSource] = field(default_factory=list)  # per output token
 
     def to_dict(self, compact: bool = False) -> dict[str, Any]:
         """Plain data; `compact` leaves out node fields at their defaults (they load back as defaults)."""
@@ -150,10 +285,16 @@ def run_from_dict(data: dict[str, Any]) -> RunResult:
             cost = it.pop("cost", None) if version >= 3 else it.get("extra", {}).pop("cost", None)
             cost = IterationCost(**cost) if cost is not None else None
             lookup, selector = (it.pop("lookup", None), it.pop("selector", None)) if version >= 5 else reports_of(it)
+            times = StageTimes.from_dict(it.pop("times"))
             iterations.append(IterationRecord(nodes=nodes, cost=cost, lookup=LookupReport(**lookup) if lookup else None,
-                                              selector=SelectorChoice(**selector) if selector else None, **it))
-        return RunResult(iterations=iterations, **fields)
-    except (KeyError, TypeError) as err:
+                                              selector=SelectorChoice(**selector) if selector else None, times=times,
+                                              **it))
+        comparison = fields.pop("comparison", None)
+        return RunResult(iterations=iterations, config=RunConfig.from_dict(fields.pop("config")),
+                         metrics=RunMetrics.from_dict(fields.pop("metrics")),
+                         comparison=known(Comparison, comparison) if comparison is not None else None,
+                         token_sources=[known(TokenSource, t) for t in fields.pop("token_sources", [])], **fields)
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
         raise TraceError(f"not a treeviz trace: {err}") from None
 
 

@@ -45,7 +45,7 @@ def sample_of(record: IterationRecord) -> Sample:
     nodes = sorted((n for n in record.nodes if n.status != BONUS), key=lambda n: n.id)
     rows = list(record.cost.draft_rows) if record.cost is not None else []
     times = record.times
-    overhead = max(times.get("total", 0.0) - times.get("draft", 0.0) - times.get("verify", 0.0), 0.0)
+    overhead = max(times.total - times.draft - times.verify, 0.0)
     path_q = [1.0 if n.path_q is None else n.path_q for n in nodes]
     return Sample([n.parent for n in nodes], [n.depth for n in nodes], list(record.accepted_path[1:]),
                   rows[0] if rows else 1, rows, overhead, path_q, record.position)

@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 
 from engine.core.runtime import synchronize
+from engine.core.trace import StageTimes
 
 
 class StageClock:
@@ -35,9 +36,9 @@ class StageClock:
         now = time.perf_counter()
         self.seconds[stage], self.mark = now - self.mark, now
 
-    def times(self, draft: float, within: str) -> dict[str, float]:
-        """The stages' seconds and their "total", with `draft` seconds (timed by the drafter's own clock) taken out
-        of the stage `within` and listed first as "draft"."""
+    def times(self, draft: float, within: str) -> StageTimes:
+        """The stages' seconds (build, verify, commit, other) and their total, with `draft` seconds (timed by the
+        drafter's own clock) taken out of the stage `within` and given as the draft stage."""
         stages = dict(self.seconds)
         stages[within] -= draft
-        return {"draft": draft, **stages, "total": self.mark - self.start}
+        return StageTimes(draft=draft, **stages, total=self.mark - self.start)

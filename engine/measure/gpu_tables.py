@@ -1,7 +1,7 @@
 """GPU cost tables: what each forward of one model pair costs on one GPU, measured there, read anywhere.
 
     tables = shipped()                                   # every table in assets/gpu/*.json, validated
-    table = find(tables, run.config["target"], run.config["draft"])
+    table = find(tables, run.config.target, run.config.draft)
     prediction = predict(table, run.iterations)          # the run's own trees priced on that GPU
 
 `python -m scripts.gpu_check` writes one file per shape pair into its --out folder (`save`); a table is shipped by

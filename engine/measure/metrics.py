@@ -8,8 +8,8 @@ and ARCHITECTURE.md link to this docstring; the app, the bench and the command l
 - **acceptance** (`acceptance_rate`): accepted draft tokens / drafted nodes, over the run.
 - **acceptance by source** (`acceptance_by_source[s]`): for the drafted nodes that source s proposed ("model": the
   draft; "lookup": context lookup, engine/core/lookup.py; "both": a lookup continuation through a model node), accepted
-  nodes / drafted nodes over the run, with both counts (`{"drafted", "accepted", "rate"}`); only sources that drafted
-  something appear (a run without lookup has "model" alone).
+  nodes / drafted nodes over the run, with both counts (a SourceAcceptance: drafted, accepted, rate); only sources that
+  drafted something appear (a run without lookup has "model" alone).
 - **per-depth acceptance** (`per_depth_acceptance[d - 1]`): the fraction of iterations whose accepted length is >= d.
 - `mean_drafted`, `mean_draft_forwards`: drafted nodes and draft forwards per iteration.
 - **TTFT** (`ttft_s`): prefill + the first new token.
@@ -21,7 +21,8 @@ and ARCHITECTURE.md link to this docstring; the app, the bench and the command l
   and `ar-compiled` (engine/capture/compiled.py); the app and `generate --compare-ar` use the eager AR.
 - **exact match** (`compare_outputs`): the output equals AR's token for token; otherwise the first divergence and the
   target's top-2 logit margin there.
-- **stage times** (`stage_s`): seconds per stage summed over iterations: draft, build, verify, commit, other.
+- **stage times** (`stage_s`, a StageTimes): seconds per stage summed over iterations: draft, build, verify, commit,
+  other, and their total.
 - **cost drift** (`cost_drift`): measured ÷ predicted seconds of drafting and of verification over the run, from the
   per-iteration cost records (`IterationRecord.cost`), first iteration left out; beyond ×DRIFT_TOLERANCE either way
   (and at least DRIFT_MIN_ITERATIONS iterations) the cached cost table no longer describes the machine.
@@ -31,45 +32,49 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.core.trace import ACCEPTED, REJECTED, IterationCost, IterationRecord, RunResult
-
-STAGES = ("draft", "build", "verify", "commit", "other")
+from engine.core.trace import (ACCEPTED, REJECTED, STAGES, Comparison, IterationCost, IterationRecord, RunMetrics,
+                               RunResult, SourceAcceptance, StageTimes)
 # Measured/predicted beyond x1.3 or /1.3 (a tolerance, not a machine constant): the cost table no longer describes the
 # machine. Run-to-run noise on a quiet machine stays within ~10 %.
 DRIFT_TOLERANCE = 1.3
 DRIFT_MIN_ITERATIONS = 4
 
 
-def run_metrics(iterations: list[IterationRecord], new_tokens: int, total_s: float, ttft_s: float) -> dict[str, Any]:
+def run_metrics(iterations: list[IterationRecord], new_tokens: int, total_s: float, ttft_s: float) -> RunMetrics:
     n = len(iterations)
     drafted = sum(it.drafted for it in iterations)
     accepted = [it.accepted for it in iterations]
     max_len = max(accepted, default=0)
-    return {
-        "new_tokens": new_tokens,
-        "iterations": n,
-        "total_s": total_s,
-        "ttft_s": ttft_s,
-        "tpot_s": (total_s - ttft_s) / (new_tokens - 1) if new_tokens > 1 else None,
-        "tokens_per_s": new_tokens / total_s if total_s > 0 else None,
+    return RunMetrics(
+        new_tokens=new_tokens,
+        iterations=n,
+        total_s=total_s,
+        ttft_s=ttft_s,
+        tpot_s=(total_s - ttft_s) / (new_tokens - 1) if new_tokens > 1 else None,
+        tokens_per_s=new_tokens / total_s if total_s > 0 else None,
         # L-bar: committed tokens (accepted + bonus) per target verification pass.
-        "mean_tokens_per_iter": sum(it.committed for it in iterations) / n if n else None,
+        mean_tokens_per_iter=sum(it.committed for it in iterations) / n if n else None,
         # l-bar: accepted draft-path length, bonus excluded.
-        "mean_accepted_len": sum(accepted) / n if n else None,
-        "acceptance_rate": sum(accepted) / drafted if drafted else None,
-        "acceptance_by_source": acceptance_by_source(iterations),
-        "per_depth_acceptance": [sum(a >= d for a in accepted) / n for d in range(1, max_len + 1)] if n else [],
-        "mean_drafted": drafted / n if n else None,
-        "mean_draft_forwards": sum(it.draft_forwards for it in iterations) / n if n else None,
-        "stage_s": {s: sum(it.times.get(s, 0.0) for it in iterations) for s in STAGES},
-        "cost_drift": cost_drift(iterations),
-    }
+        mean_accepted_len=sum(accepted) / n if n else None,
+        acceptance_rate=sum(accepted) / drafted if drafted else None,
+        acceptance_by_source=acceptance_by_source(iterations),
+        per_depth_acceptance=[sum(a >= d for a in accepted) / n for d in range(1, max_len + 1)] if n else [],
+        mean_drafted=drafted / n if n else None,
+        mean_draft_forwards=sum(it.draft_forwards for it in iterations) / n if n else None,
+        stage_s=stage_sums([it.times for it in iterations]),
+        cost_drift=cost_drift(iterations),
+    )
+
+
+def stage_sums(times: list[StageTimes]) -> StageTimes:
+    """Seconds per stage summed over iterations (or runs)."""
+    return StageTimes(**{f: sum(getattr(t, f) for t in times) for f in (*STAGES, "total")})
 
 
 SOURCES = ("model", "lookup", "both")
 
 
-def acceptance_by_source(iterations: list[IterationRecord]) -> dict[str, dict[str, Any]]:
+def acceptance_by_source(iterations: list[IterationRecord]) -> dict[str, SourceAcceptance]:
     """Accepted / drafted nodes per proposing source (the docstring's definition); sources with no node left out."""
     counts = {s: [0, 0] for s in SOURCES}
     for it in iterations:
@@ -77,7 +82,7 @@ def acceptance_by_source(iterations: list[IterationRecord]) -> dict[str, dict[st
             if node.source in counts:
                 counts[node.source][0] += 1
                 counts[node.source][1] += node.status == ACCEPTED
-    return {s: {"drafted": d, "accepted": a, "rate": a / d} for s, (d, a) in counts.items() if d}
+    return {s: SourceAcceptance(drafted=d, accepted=a, rate=a / d) for s, (d, a) in counts.items() if d}
 
 
 def lookup_work(iterations: list[IterationRecord]) -> dict[str, float]:
@@ -85,7 +90,7 @@ def lookup_work(iterations: list[IterationRecord]) -> dict[str, float]:
     index queries and tree building (record.lookup.seconds) over the iterations' total seconds; "alone", the
     fraction of iterations a grafted strategy drafted with the lookup only (engine/strategies/graft.py)."""
     looked = [it for it in iterations if it.lookup is not None]
-    total = sum(it.times.get("total", 0.0) for it in looked)
+    total = sum(it.times.total for it in looked)
     if not looked or total <= 0:
         return {}
     return {"share": sum(it.lookup.seconds for it in looked) / total,
@@ -134,7 +139,7 @@ def drift_warning(drift: dict[str, float]) -> str | None:
             "they run, and speedups stay valid because AR runs on the same machine.")
 
 
-def compare_outputs(run: RunResult, reference: RunResult) -> dict[str, Any]:
+def compare_outputs(run: RunResult, reference: RunResult) -> Comparison:
     """Does `run` reproduce `reference` (an AR run of the same prompt) token for token? If not, where first, and how
     close the target's top-2 logits were there (a near-tie explains a bf16/fp16 flip)."""
     a, b = run.output_ids, reference.output_ids
@@ -142,13 +147,14 @@ def compare_outputs(run: RunResult, reference: RunResult) -> dict[str, Any]:
     first = next((i for i in range(n) if a[i] != b[i]), None)
     if first is None and len(a) != len(b):
         first = n
-    out: dict[str, Any] = {"exact_match": first is None, "first_divergence": first, "compared_tokens": n}
+    out = Comparison(exact_match=first is None, first_divergence=first, compared_tokens=n)
     if first is not None:
-        for name, src in (("reference_margin", reference), ("run_margin", run)):
-            if first < len(src.token_sources):
-                out[name] = src.token_sources[first].get("margin")
-    if reference.metrics.get("tokens_per_s") and run.metrics.get("tokens_per_s"):
-        out["speedup_vs_ar"] = run.metrics["tokens_per_s"] / reference.metrics["tokens_per_s"]
+        if first < len(reference.token_sources):
+            out.reference_margin = reference.token_sources[first].margin
+        if first < len(run.token_sources):
+            out.run_margin = run.token_sources[first].margin
+    if reference.metrics.tokens_per_s and run.metrics.tokens_per_s:
+        out.speedup_vs_ar = run.metrics.tokens_per_s / reference.metrics.tokens_per_s
     return out
 
 

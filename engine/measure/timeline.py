@@ -3,10 +3,10 @@ each iteration accepted, and how unsure the draft was where it branched. Pure Py
 tensors, no models), so a gallery trace gives them with nothing loaded.
 
 Times are the run's own measurements: the first token appears at the run's TTFT (the prefill), and every later
-iteration's committed tokens at the TTFT plus the measured seconds (`IterationRecord.times["total"]`) of every
+iteration's committed tokens at the TTFT plus the measured seconds (`IterationRecord.times.total`) of every
 iteration up to and including it. The decoder times each iteration from its first draft forward to its commit, so the
 only time outside them is the loop between iterations (microseconds): the last token lands within a fraction of a
-percent of the run's measured decode time, `metrics["total_s"]`.
+percent of the run's measured decode time, `metrics.total_s`.
 """
 from __future__ import annotations
 
@@ -24,17 +24,17 @@ def token_timeline(run: RunResult) -> list[dict[str, Any]]:
     "prefill" (the first token), "accepted" (a draft token the target kept) or "bonus" (the target's own token)."""
     sources = run.token_sources
     events: list[dict[str, Any]] = []
-    clock = float(run.metrics.get("ttft_s") or 0.0)
+    clock = float(run.metrics.ttft_s or 0.0)
     if run.output_ids:
         events.append(_event(run, 0, clock, PREFILL, -1))
     # Iteration timers leave out the loop's bookkeeping between iterations (a fraction of a percent on real models,
     # up to ~10 % on tiny ones): spread it over the iterations in proportion to their time, so the last token lands
     # at the measured decode time.
-    timed = sum(float(it.times.get("total", 0.0)) for it in run.iterations)
-    total = float(run.metrics.get("total_s") or 0.0)
+    timed = sum(float(it.times.total) for it in run.iterations)
+    total = float(run.metrics.total_s or 0.0)
     stretch = (total - clock) / timed if timed > 0 and total > clock else 1.0
     for it in run.iterations:
-        clock += float(it.times.get("total", 0.0)) * stretch
+        clock += float(it.times.total) * stretch
         for j in range(it.committed):
             i = len(events)
             if i >= len(run.output_ids):
@@ -47,24 +47,24 @@ def token_timeline(run: RunResult) -> list[dict[str, Any]]:
 
 def _event(run: RunResult, i: int, time_s: float, kind: str, iteration: int) -> dict[str, Any]:
     """Token i at `time_s`; its text and kind as the engine recorded them in token_sources where they are there."""
-    source = run.token_sources[i] if i < len(run.token_sources) else {}
-    text = source.get("text")
+    source = run.token_sources[i] if i < len(run.token_sources) else None
+    text = source.text if source is not None else None
     if text is None:  # an old trace without per-token text: the token id stands in
         text = f"⟨{run.output_ids[i]}⟩"
-    return {"time_s": time_s, "token": run.output_ids[i], "text": text, "kind": source.get("kind", kind),
-            "iteration": iteration}
+    return {"time_s": time_s, "token": run.output_ids[i], "text": text,
+            "kind": source.kind if source is not None else kind, "iteration": iteration}
 
 
 def decode_time(run: RunResult) -> float:
     """The run's measured decode time in seconds (prefill included): engine.measure.metrics's total_s."""
-    return float(run.metrics["total_s"])
+    return float(run.metrics.total_s)
 
 
 def speedup(run: RunResult, ar: RunResult) -> float | None:
     """How many times faster `run` decoded than the AR run `ar` of the same prompt: engine.measure.metrics's
     speedup_vs_ar (tokens/s over AR's tokens/s), which is AR's decode time ÷ the run's when both wrote the same number
     of tokens."""
-    return compare_outputs(run, ar).get("speedup_vs_ar")
+    return compare_outputs(run, ar).speedup_vs_ar
 
 
 # -- how many draft tokens each iteration kept -------------------------------------------------------------------------

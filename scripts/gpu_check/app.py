@@ -94,7 +94,7 @@ def drive_treeviz(runs, spec: RunSpec, device) -> dict:
     manager.capture_mode = "on" if device.type == "cuda" else "off"
     started = time.monotonic()
     manager.load(spec.pair, device=str(device))
-    out = {"load_s": time.monotonic() - started, "pair": manager.status()["description"] or manager.status()["error"]}
+    out = {"load_s": time.monotonic() - started, "pair": manager.status().description or manager.status().error}
     for label, args in arguments(spec).items():
         generator, duration, view, good = REQUESTS[label]
         session = runs.SERVER.open("gpu-check", view)

@@ -49,7 +49,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def greedy_case(pair, name: str, ar: list[int], tokens: int) -> dict:
     run = generate(pair, spec(name, tokens))
-    return {"steps": run.config["steps"], "output_ids": run.output_ids, "equal": run.output_ids == ar,
+    return {"steps": run.config.steps, "output_ids": run.output_ids, "equal": run.output_ids == ar,
             "first_divergence": first_divergence(run.output_ids, ar), "iterations": len(run.iterations)}
 
 

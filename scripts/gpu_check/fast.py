@@ -168,15 +168,15 @@ def iteration_stats(run, ar_token_s: float, step_s: float, lbar: float | None) -
     predicted speedups at `lbar` tokens per iteration (None: none predicted)."""
     its = run.iterations[1:] or run.iterations
     med = lambda values: statistics.median(values)  # noqa: E731
-    total = med([it.times["total"] for it in its])
+    total = med([it.times.total for it in its])
     priced = med([it.cost.predicted_s for it in its])
     return {"iterations": len(run.iterations), "drafted_nodes": med([it.drafted for it in its]),
             "verify_rows": med([it.cost.verify_rows for it in its]),
             "draft_forwards": med([it.draft_forwards for it in its]),
             "tokens_per_iteration_measured": med([len(it.new_tokens) for it in its]),
             "iteration_ms": 1e3 * total, "priced_ms": 1e3 * priced, "overhead_ms": 1e3 * (total - priced),
-            "draft_ms": 1e3 * med([it.times["draft"] for it in its]),
-            "verify_ms": 1e3 * med([it.times["verify"] for it in its]),
+            "draft_ms": 1e3 * med([it.times.draft for it in its]),
+            "verify_ms": 1e3 * med([it.times.verify for it in its]),
             "break_even_lbar": total / ar_token_s,
             "predicted_speedup_table_only": None if lbar is None else lbar / (priced / step_s),
             "predicted_speedup_measured": None if lbar is None else lbar * ar_token_s / total}

@@ -55,21 +55,21 @@ def _add_iteration_charts(fig: go.Figure, run: RunResult, stage_mode: str) -> No
     idx = [it.index for it in its]
     fig.add_trace(go.Bar(x=idx, y=[it.committed for it in its], name="L (this iteration)", marker_color="#7fb3d5",
                          hovertemplate="iteration %{x}: %{y} tokens<extra></extra>"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=[idx[0], idx[-1]], y=[m["mean_tokens_per_iter"]] * 2, mode="lines",
-                             name=f"L̄ = {m['mean_tokens_per_iter']:.2f} (run)", line={"color": "#1f4e79", "width": 2.5},
+    fig.add_trace(go.Scatter(x=[idx[0], idx[-1]], y=[m.mean_tokens_per_iter] * 2, mode="lines",
+                             name=f"L̄ = {m.mean_tokens_per_iter:.2f} (run)", line={"color": "#1f4e79", "width": 2.5},
                              hovertemplate="L̄ = %{y:.2f}<extra></extra>"), row=1, col=1)
     fig.add_trace(go.Scatter(x=idx, y=[it.accepted / it.drafted if it.drafted else None for it in its],
                              mode="lines+markers", name="acceptance rate", line={"color": "#27ae60"},
                              connectgaps=False, hovertemplate="iteration %{x}: %{y:.2f}<extra></extra>"), row=1, col=2)
-    depth = m["per_depth_acceptance"]
+    depth = m.per_depth_acceptance
     if depth:
         fig.add_trace(go.Bar(x=list(range(1, len(depth) + 1)), y=depth, name="P(ℓ ≥ d)", marker_color="#16a085",
                              hovertemplate="depth %{x}: %{y:.2f}<extra></extra>"), row=2, col=1)
     for stage, color in STAGE_COLORS.items():
         if stage_mode == "total":
-            x, y = ["run"], [m["stage_s"][stage] * 1000]
+            x, y = ["run"], [getattr(m.stage_s, stage) * 1000]
         else:
-            x, y = idx, [it.times.get(stage, 0.0) * 1000 for it in its]
+            x, y = idx, [getattr(it.times, stage) * 1000 for it in its]
         fig.add_trace(go.Bar(x=x, y=y, name=stage, marker_color=color, legendgroup="stage",
                              hovertemplate=f"{stage}: %{{y:.1f}} ms<extra></extra>"), row=2, col=2)
 
@@ -78,11 +78,11 @@ def throughput_figure(run: RunResult | None, ar_run: RunResult | None) -> go.Fig
     """Tokens/s of the run beside AR on the same prompt in the same session, with the speedup."""
     fig = go.Figure()
     names, values, colors = [], [], []
-    tps = run.metrics.get("tokens_per_s") if run is not None else None
-    speedup = (run.comparison or {}).get("speedup_vs_ar") if run is not None else None
-    if ar_run is not None and ar_run.metrics.get("tokens_per_s"):
+    tps = run.metrics.tokens_per_s if run is not None else None
+    speedup = run.comparison.speedup_vs_ar if run is not None and run.comparison is not None else None
+    if ar_run is not None and ar_run.metrics.tokens_per_s:
         names.append("AR")
-        values.append(ar_run.metrics["tokens_per_s"])
+        values.append(ar_run.metrics.tokens_per_s)
         colors.append("#95a5a6")
     elif speedup and tps and run.strategy != "ar":
         names.append("AR (recorded)")  # a replayed trace: AR's rate from the speedup stored with it
@@ -97,7 +97,7 @@ def throughput_figure(run: RunResult | None, ar_run: RunResult | None) -> go.Fig
                          hovertemplate="%{y}: %{x:.2f} tokens/s<extra></extra>"))
     title = "throughput (tokens/s)"
     if len(values) == 2 and values[0] > 0:
-        ar_steps = ar_run.config.get("steps", "eager") if ar_run is not None else "recorded"
+        ar_steps = ar_run.config.steps if ar_run is not None else "recorded"
         title += f": speedup {values[1] / values[0]:.2f}× over AR ({ar_steps})"
     elif run is not None and ar_run is None and run.strategy != "ar":
         title += " (AR not measured yet)"
@@ -155,10 +155,10 @@ def calibration_figure(runs: Sequence[tuple[str, RunResult]], bins: int = 10) ->
 # -- costs ---------------------------------------------------------------------------------------------------------
 def ar_seconds_per_token(run: RunResult, ar_run: RunResult | None = None) -> float | None:
     """AR's seconds per token on the same prompt: from the AR run, or from the speedup recorded with the run."""
-    if ar_run is not None and ar_run.metrics.get("tokens_per_s"):
-        return 1.0 / ar_run.metrics["tokens_per_s"]
-    speedup = (run.comparison or {}).get("speedup_vs_ar")
-    tps = run.metrics.get("tokens_per_s")
+    if ar_run is not None and ar_run.metrics.tokens_per_s:
+        return 1.0 / ar_run.metrics.tokens_per_s
+    speedup = run.comparison.speedup_vs_ar if run.comparison is not None else None
+    tps = run.metrics.tokens_per_s
     return speedup / tps if speedup and tps else None
 
 
@@ -170,7 +170,7 @@ def cost_rows(run: RunResult) -> list[dict[str, Any]]:
 
 def drift_title(run: RunResult) -> str:
     """How far this run's measured times are from the cost table's, with a warning when beyond tolerance."""
-    drift = run.metrics.get("cost_drift") or cost_drift(run.iterations)
+    drift = run.metrics.cost_drift or cost_drift(run.iterations)
     ratios = ", ".join(f"{stage} {drift[stage]:.2f}×" for stage in ("draft", "verify") if stage in drift)
     if not ratios:
         return "measured against the cost table"
@@ -186,7 +186,7 @@ NO_GPU_TABLE = ("GPU: no GPU cost table is shipped (assets/gpu/ holds none), so 
 
 def gpu_prediction(run: RunResult, tables: Sequence[GpuTable]) -> tuple[GpuTable | None, Prediction | None]:
     """The shipped table for the run's models and the run's own trees priced by it (None, None: no table fits)."""
-    table = find(list(tables), run.config.get("target"), run.config.get("draft"))
+    table = find(list(tables), run.config.target, run.config.draft)
     if table is None or not run.iterations:
         return table, None
     return table, predict(table, run.iterations)
@@ -200,7 +200,7 @@ def gpu_note(run: RunResult, tables: Sequence[GpuTable]) -> str:
         return NO_GPU_TABLE
     table, prediction = gpu_prediction(run, tables)
     if table is None:
-        models = f"{run.config.get('target')} + {run.config.get('draft') or 'no draft'}"
+        models = f"{run.config.target} + {run.config.draft or 'no draft'}"
         return (f"GPU: tables are shipped for {', '.join(t.pair for t in tables)}; none for this run's models "
                 f"({models})")
     if prediction is None:

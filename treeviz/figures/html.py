@@ -8,7 +8,7 @@ import time
 import unicodedata
 from typing import Any
 
-from engine.core.trace import RunResult
+from engine.core.trace import Comparison, RunResult, SourceAcceptance
 
 WHITESPACE = {" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"}
 TOKEN_KIND_STYLE = {  # generated-text provenance
@@ -42,9 +42,9 @@ def token_pieces(run: RunResult) -> list[dict[str, Any]]:
     """Output tokens with their text and provenance, as the engine recorded them (RunResult.token_sources).
     A trace written before sources carried text shows its output text as one piece."""
     sources = run.token_sources
-    if not sources or any("text" not in src for src in sources):
+    if not sources or any(src.text is None for src in sources):
         return [{"text": run.output_text, "kind": "prefill", "iteration": -1, "margin": None}]
-    return [{"text": src["text"], "kind": src["kind"], "iteration": src["iteration"], "margin": src["margin"]}
+    return [{"text": src.text, "kind": src.kind, "iteration": src.iteration, "margin": src.margin}
             for src in sources]
 
 
@@ -92,7 +92,7 @@ def token_legend_html() -> str:
     return f"<div class='tv-legend'>{spans}<span style='outline:2px solid #e74c3c'>selected iteration</span></div>"
 
 
-def badge_html(comparison: dict[str, Any] | None, sampled: bool = False) -> str:
+def badge_html(comparison: Comparison | None, sampled: bool = False) -> str:
     """Does the output equal AR's, and (when the comparison records it) where AR's figure came from."""
     if not comparison:
         return "<span class='tv-badge tv-na'>output vs AR: not compared</span>"
@@ -101,34 +101,34 @@ def badge_html(comparison: dict[str, Any] | None, sampled: bool = False) -> str:
     return output_match_html(comparison, sampled) + note
 
 
-def output_match_html(comparison: dict[str, Any], sampled: bool) -> str:
+def output_match_html(comparison: Comparison, sampled: bool) -> str:
     if sampled:
-        first = comparison.get("first_divergence")
-        where = "identical to AR's sample" if comparison.get("exact_match") else f"differs from AR from token {first}"
+        first = comparison.first_divergence
+        where = "identical to AR's sample" if comparison.exact_match else f"differs from AR from token {first}"
         return ("<span class='tv-badge tv-na'>sampling: lossless in distribution, not token for token "
                 f"({html.escape(where)})</span>")
-    if comparison.get("exact_match"):
-        n = comparison.get("compared_tokens")
+    if comparison.exact_match:
+        n = comparison.compared_tokens
         return f"<span class='tv-badge tv-ok'>✓ output matches AR token for token ({n} tokens)</span>"
-    first = comparison.get("first_divergence")
+    first = comparison.first_divergence
     extra = ""
-    margin = comparison.get("reference_margin")
+    margin = comparison.reference_margin
     if margin is not None:
         extra = f"; AR's top-2 logit margin there: {margin:.3f}" + (" (a near-tie)" if margin < 0.5 else "")
     return (f"<span class='tv-badge tv-bad'>✗ output differs from AR from token {first}{html.escape(extra)}"
             "</span>")
 
 
-def ar_source_text(comparison: dict[str, Any] | None) -> str:
+def ar_source_text(comparison: Comparison | None) -> str:
     """Where the AR figure beside a run came from (serving.Server records it with the comparison): measured for this
     run, or reused from the AR cache, measured when and how long before; "" for a comparison that does not say."""
-    if not comparison or comparison.get("ar_measured_at") is None:
+    if not comparison or comparison.ar_measured_at is None:
         return ""
-    at = time.strftime("%H:%M:%S UTC", time.gmtime(comparison["ar_measured_at"]))
-    steps = f"; AR's forwards {comparison['ar_steps']}" if comparison.get("ar_steps") else ""
-    if not comparison.get("ar_reused"):
+    at = time.strftime("%H:%M:%S UTC", time.gmtime(comparison.ar_measured_at))
+    steps = f"; AR's forwards {comparison.ar_steps}" if comparison.ar_steps else ""
+    if not comparison.ar_reused:
         return f"AR measured for this run ({at}){steps}"
-    return (f"AR reused from the cache: measured at {at}, {duration_text(comparison.get('ar_age_s') or 0.0)} "
+    return (f"AR reused from the cache: measured at {at}, {duration_text(comparison.ar_age_s or 0.0)} "
             f"earlier{steps}")
 
 
@@ -145,18 +145,18 @@ def duration_text(seconds: float) -> str:
 def metrics_rows(run: RunResult, ar_run: RunResult | None = None) -> dict[str, Any]:
     m = run.metrics
     row = {"strategy": run.strategy,
-           "tokens/s": m.get("tokens_per_s"),
+           "tokens/s": m.tokens_per_s,
            "speedup": None,
-           "L̄": m.get("mean_tokens_per_iter"),
-           "ℓ̄": m.get("mean_accepted_len"),
-           "acceptance": m.get("acceptance_rate"),
-           "#iterations": m.get("iterations"),
-           "new tokens": m.get("new_tokens")}
-    ar_tps = ar_run.metrics.get("tokens_per_s") if ar_run is not None else None
+           "L̄": m.mean_tokens_per_iter,
+           "ℓ̄": m.mean_accepted_len,
+           "acceptance": m.acceptance_rate,
+           "#iterations": m.iterations,
+           "new tokens": m.new_tokens}
+    ar_tps = ar_run.metrics.tokens_per_s if ar_run is not None else None
     if ar_tps and row["tokens/s"]:
         row["speedup"] = row["tokens/s"] / ar_tps
-    elif (run.comparison or {}).get("speedup_vs_ar"):
-        row["speedup"] = run.comparison["speedup_vs_ar"]  # recorded with a replayed trace
+    elif run.comparison is not None and run.comparison.speedup_vs_ar:
+        row["speedup"] = run.comparison.speedup_vs_ar  # recorded with a replayed trace
     return row
 
 
@@ -172,7 +172,7 @@ def metrics_html(run: RunResult | None, ar_run: RunResult | None = None) -> str:
     cells = [("run", str(run.strategy)), ("tokens/s", f(row["tokens/s"], ".1f")), ("speedup vs AR", speedup),
              ("L̄", f(row["L̄"])), ("ℓ̄", f(row["ℓ̄"])), ("acceptance", f(row["acceptance"])),
              ("iterations", f(row["#iterations"])), ("new tokens", f(row["new tokens"]))]
-    cells += source_cells(run.metrics.get("acceptance_by_source") or {})
+    cells += source_cells(run.metrics.acceptance_by_source)
     body = "".join(f"<div style='display:inline-block;margin:0 14px 4px 0'><div style='font-size:11px;"
                    f"color:#6b7280'>{html.escape(k)}</div><div style='font-size:16px;font-weight:600'>"
                    f"{html.escape(v)}</div></div>" for k, v in cells)
@@ -196,10 +196,10 @@ def auto_html(run: RunResult) -> str:
 SOURCE_NAMES = {"model": "draft", "lookup": "lookup", "both": "draft + lookup"}
 
 
-def source_cells(by_source: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+def source_cells(by_source: dict[str, SourceAcceptance]) -> list[tuple[str, str]]:
     """Acceptance per proposing source (engine/measure/metrics.py), as (label, "rate (accepted/drafted)") cells: only
     when the run has lookup nodes (a draft-only run's single source repeats the acceptance cell)."""
     if not set(by_source) & {"lookup", "both"}:
         return []
-    return [(f"acceptance · {SOURCE_NAMES.get(name, name)}", f"{s['rate']:.2f} ({s['accepted']}/{s['drafted']})")
+    return [(f"acceptance · {SOURCE_NAMES.get(name, name)}", f"{s.rate:.2f} ({s.accepted}/{s.drafted})")
             for name, s in by_source.items()]

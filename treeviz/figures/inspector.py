@@ -103,7 +103,7 @@ def inspector_html(run: RunResult | None, iteration: IterationRecord | None, nod
         return "<div class='tv-inspector tv-empty'>Click a node of the tree (or type its id) to inspect it.</div>"
     by_id = {n.id: n for n in iteration.nodes}
     parent = by_id.get(node.parent)
-    greedy = not (run.config.get("sampling") or {}).get("temperature")
+    greedy = run.config.sampling.greedy
     status = node_status(node)
     outcome = html.escape(STATUS_STYLE.get(status, {}).get("label", status))
     cells = [("node", f"{node.id} · {_quote(node)}"), ("depth", str(node.depth)),
@@ -112,7 +112,7 @@ def inspector_html(run: RunResult | None, iteration: IterationRecord | None, nod
              ("acceptance probability", _acceptance(node, greedy)),
              ("outcome", outcome), ("proposed by", SOURCES.get(node.source, html.escape(node.source)))]
     body = "".join(_row(k, v) for k, v in cells)
-    why = reason(node, parent, greedy, str(run.config.get("verifier") or ""))
+    why = reason(node, parent, greedy, str(run.config.verifier or ""))
     return (f"<div class='tv-inspector'>{body}<div style='font-size:14px;margin-top:2px'><b>why:</b> {why}</div>"
             "</div>")
 

@@ -86,15 +86,15 @@ def race_summary(runs: Sequence[tuple[str, RunResult]]) -> dict[str, Any]:
     lanes = race_lanes(runs)
     rows = [{"label": lane.label, "strategy": lane.run.strategy, "decode_s": lane.decode_s,
              "finish_s": lane.events[-1]["time_s"] if lane.events else 0.0, "tokens": len(lane.events),
-             "tokens_per_s": lane.run.metrics.get("tokens_per_s"), "speedup_vs_ar": lane.speedup,
-             "steps": lane.run.config.get("steps", "eager")} for lane in lanes]
+             "tokens_per_s": lane.run.metrics.tokens_per_s, "speedup_vs_ar": lane.speedup,
+             "steps": lane.run.config.steps} for lane in lanes]
     return {"lanes": rows, "winner": winner(lanes).label, "note": NOTE}
 
 
 def winner(lanes: list[Lane]) -> Lane:
     """The fastest lane by tokens/s (engine.measure.metrics's): the shortest decode time when the runs wrote the same
     number of tokens, and still fair when sampling made them write different numbers."""
-    return max(lanes, key=lambda lane: lane.run.metrics.get("tokens_per_s") or 0.0)
+    return max(lanes, key=lambda lane: lane.run.metrics.tokens_per_s or 0.0)
 
 
 def seconds(t: float) -> str:

@@ -140,9 +140,8 @@ def _commit_step(iteration: IterationRecord, by_id: dict[int, NodeRecord], last:
 def stepthrough_figure(iteration: IterationRecord, run: RunResult | None = None) -> go.Figure:
     """The iteration's steps as animation frames: step buttons on a slider, and play. `run` (optional) tells
     greedy from sampled verification and the rule's name for the captions."""
-    sampling = (run.config.get("sampling") or {}) if run is not None else {}
-    greedy = not sampling.get("temperature")
-    rule = str(run.config.get("verifier") or "") if run is not None else ""
+    greedy = run.config.sampling.greedy if run is not None else True
+    rule = str(run.config.verifier or "") if run is not None else ""
     steps = stepthrough_steps(iteration, greedy, rule)
     xy = {i: (d, -b) for i, (d, b) in iteration_layout(iteration).items()}
     frame = run_frame([iteration])

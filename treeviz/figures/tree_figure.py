@@ -274,7 +274,7 @@ def tree_figure(iteration: IterationRecord | None, frame: dict[str, list[float]]
         nodes = iteration.nodes
         title = (f"iteration {iteration.index}: {iteration.drafted} drafted, "
                  f"{iteration.accepted} accepted + bonus "
-                 f"'{visible_token(iteration.bonus_text)}', {iteration.times.get('total', 0) * 1000:.0f} ms")
+                 f"'{visible_token(iteration.bonus_text)}', {iteration.times.total * 1000:.0f} ms")
         title += selector_caption(iteration.selector)
         if iteration.lookup is not None and iteration.lookup.alone:
             title += " · lookup alone (the draft model was skipped: lookup measured faster here)"

@@ -135,7 +135,7 @@ class RunView:
         n, self.framed = len(snap.iterations), len(snap.iterations)
         since = f" ({batched} iterations since the last update)" if batched > 1 else ""
         status = status_html(f"decoding with {self.spec.strategy}: iteration {n - 1}, "
-                             f"{snap.metrics['new_tokens']} tokens, {snap.metrics['total_s']:.1f}s{since}")
+                             f"{snap.metrics.new_tokens} tokens, {snap.metrics.total_s:.1f}s{since}")
         return outputs({"run": snap, "ar": None, "scrubber": gr.update(maximum=max(1, n - 1), value=n - 1),
                         "status": status, **streamed_views(snap, self.frame)}, RUN_VIEW_OUTPUTS)
 
@@ -162,8 +162,8 @@ class RunView:
 def run_status(result) -> str:
     """The finished run's line, with its speedup and how it was measured: a streamed run against AR measured
     for it or reused from the cache (the race is the fair side-by-side measurement)."""
-    comparison = result.comparison or {}
-    speedup = comparison.get("speedup_vs_ar")
+    comparison = result.comparison
+    speedup = comparison.speedup_vs_ar if comparison is not None else None
     if not speedup or result.strategy == AR:
         return run_summary(result)
     return (f"{run_summary(result)} — speedup {speedup:.2f}× vs AR: this run was streamed (drawn while it decoded) "

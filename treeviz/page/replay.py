@@ -6,7 +6,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.core.trace import RunResult, TraceError, load_run
+from engine.core.trace import Comparison, RunConfig, RunResult, TraceError, known, load_run
 from treeviz.page.views import last_index, outputs, render_views, status_html
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,15 +31,16 @@ def _summary(path: Path) -> dict:
     if key not in _SUMMARIES:
         try:
             data = json.loads(path.read_text())
-            config, comparison = data.get("config") or {}, data.get("comparison") or {}
-            target = str(config.get("target") or "?")
-            temperature = (config.get("sampling") or {}).get("temperature") or 0
-            _SUMMARIES[key] = {"tiny": target.startswith("tiny"), "speedup": comparison.get("speedup_vs_ar"),
+            config, comparison = RunConfig.from_dict(data.get("config")), known(Comparison, data.get("comparison"))
+            target = str(config.target or "?")
+            temperature = config.sampling.temperature or 0
+            _SUMMARIES[key] = {"tiny": target.startswith("tiny"), "speedup": comparison.speedup_vs_ar,
                                "strategy": data.get("strategy"), "target": target, "temperature": temperature,
-                               "machine": config.get("machine"),
+                               "machine": config.machine,
                                # a sampled run is not expected to equal AR's output; a greedy one is
-                               "diverged": temperature == 0 and comparison.get("exact_match") is False}
-        except (OSError, ValueError, AttributeError):
+                               "diverged": temperature == 0 and bool(data.get("comparison"))
+                                           and not comparison.exact_match}
+        except (OSError, ValueError, AttributeError, TypeError):
             _SUMMARIES[key] = {"tiny": True, "speedup": None, "strategy": None, "target": "?", "temperature": 0}
     return _SUMMARIES[key]
 
@@ -89,7 +90,7 @@ def replay(path: str | None, stage_mode: str, source: str) -> tuple:
         gr.Warning(message)
         return outputs({"status": status_html(message, error=True)})
     n, cfg = len(run.iterations), run.config
-    message = (f"replaying {source}: {run.strategy} on {cfg.get('target')} + {cfg.get('draft')} "
-               f"({cfg.get('dtype')}), {n} iterations, {len(run.output_ids)} tokens — no models used")
+    message = (f"replaying {source}: {run.strategy} on {cfg.target} + {cfg.draft} "
+               f"({cfg.dtype}), {n} iterations, {len(run.output_ids)} tokens — no models used")
     return outputs({"run": run, "ar": None, "scrubber": gr.update(maximum=max(1, n - 1), value=max(0, n - 1)),
                     "status": status_html(message), **views})

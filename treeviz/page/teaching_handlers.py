@@ -103,9 +103,9 @@ def race_json(runs: list[tuple[str, Any]]) -> dict[str, Any]:
     """treeviz.figures.race's summary, with how it was measured and whether each lane wrote AR's text."""
     summary = race_summary(runs)
     for lane, (_, result) in zip(summary["lanes"], sorted(runs, key=lambda item: item[1].strategy != AR)):
-        lane["matches_ar"] = bool((result.comparison or {}).get("exact_match"))
-    return {**summary, "measurement": FAIR, "ar_reused": False, "max_new_tokens": runs[0][1].config.get(
-        "max_new_tokens"), "pair": str(runs[0][1].config.get("target"))}
+        lane["matches_ar"] = bool(result.comparison is not None and result.comparison.exact_match)
+    return {**summary, "measurement": FAIR, "ar_reused": False, "max_new_tokens": runs[0][1].config.max_new_tokens,
+            "pair": str(runs[0][1].config.target)}
 
 
 def race_status_html(summary: dict[str, Any]) -> str:

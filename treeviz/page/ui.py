@@ -72,15 +72,15 @@ def example_label(e: dict) -> str:
 
 def model_status_html() -> str:
     st = SERVER.pairs.status()
-    if st["error"]:
-        return status_html(f"models ({st['name']}): {st['error']}", error=True)
-    if st["loading"]:
-        frac, msg = st["progress"]
-        return status_html(f"loading {st['name']}: {msg} — the gallery and uploads work meanwhile; "
+    if st.error:
+        return status_html(f"models ({st.name}): {st.error}", error=True)
+    if st.loading:
+        frac, msg = st.progress
+        return status_html(f"loading {st.name}: {msg} — the gallery and uploads work meanwhile; "
                            "the tiny-random pair loads instantly", progress=frac)
-    if st["loaded"]:
-        capture = f" — {st['capture']}" if st.get("capture") else ""
-        return status_html(f"models ready: {st['description']}{capture}")
+    if st.loaded:
+        capture = f" — {st.capture}" if st.capture else ""
+        return status_html(f"models ready: {st.description}{capture}")
     return status_html("no models loaded (press Run to load the selected pair)")
 
 

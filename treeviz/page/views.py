@@ -14,7 +14,7 @@ from typing import Any
 import gradio as gr
 import plotly.graph_objects as go
 
-from engine.core.trace import RunResult
+from engine.core.trace import Comparison, RunResult
 from engine.measure import gpu_tables
 from treeviz.figures.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
 from treeviz.figures.charts_teaching import ENTROPY_NOTE, acceptance_histogram_figure, entropy_sizes
@@ -67,7 +67,7 @@ def render_views(run: RunResult | None, ar_run: RunResult | None, index: int | N
     else:
         index, tree = None, tree_figure(None)
     comparison = run.comparison
-    div = comparison.get("first_divergence") if comparison and not comparison.get("exact_match") else None
+    div = comparison.first_divergence if comparison and not comparison.exact_match else None
     return {"tree": tree, "text": tokens_html(run, selected=index, divergence=div),
             "charts": charts_figure(run, selected=index, stage_mode=stage_mode),
             **baseline_views(run, ar_run), **inspector_views(run, index, node),
@@ -77,7 +77,7 @@ def render_views(run: RunResult | None, ar_run: RunResult | None, index: int | N
 def baseline_views(run: RunResult, ar_run: RunResult | None) -> dict[str, Any]:
     """The views that change when AR's measurement arrives: metrics row, throughput bars, badge, costs."""
     return {"metrics": metrics_html(run, ar_run), "throughput": throughput_figure(run, ar_run),
-            "badge": badge_html(run.comparison, sampled=bool(run.config.get("sampling", {}).get("temperature"))),
+            "badge": badge_html(run.comparison, sampled=not run.config.sampling.greedy),
             "costs": cost_figure(run, ar_run, gpu_tables.shipped())}
 
 
@@ -95,9 +95,9 @@ def streamed_views(run: RunResult, frame: dict) -> dict[str, Any]:
 
 def run_summary(run: RunResult) -> str:
     m, cfg = run.metrics, run.config
-    return (f"{run.strategy}: {m['new_tokens']} tokens in {m['iterations']} iterations, "
-            f"{m['tokens_per_s'] or 0:.1f} tokens/s ({run.stop_reason or 'done'}; {cfg.get('dtype')} on "
-            f"{cfg.get('device')})")
+    return (f"{run.strategy}: {m.new_tokens} tokens in {m.iterations} iterations, "
+            f"{m.tokens_per_s or 0:.1f} tokens/s ({run.stop_reason or 'done'}; {cfg.dtype} on "
+            f"{cfg.device})")
 
 
 def save_trace(run: RunResult) -> str:
@@ -118,8 +118,8 @@ def compare_table(rows: list[dict]) -> dict:
 
 def compare_row(result: RunResult, ar: RunResult) -> dict:
     row = metrics_rows(result, ar)
-    comparison = result.comparison or {}
-    row["matches AR"] = "yes" if comparison.get("exact_match") else f"from token {comparison.get('first_divergence')}"
+    comparison = result.comparison or Comparison()
+    row["matches AR"] = "yes" if comparison.exact_match else f"from token {comparison.first_divergence}"
     return row
 
 

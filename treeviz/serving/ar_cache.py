@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from engine.core.trace import RunResult
+from engine.core.trace import Comparison, RunResult
 from engine.measure.metrics import compare_outputs
 from engine.recipe import RunSpec
 
@@ -67,11 +67,10 @@ def attach_comparison(result: RunResult, baseline: Baseline) -> None:
     `ar_measured_at` / `ar_age_s` (when AR was measured, and how long before this comparison)."""
     ar = baseline.result
     if result is ar:
-        comparison = {"exact_match": True, "first_divergence": None, "compared_tokens": len(ar.output_ids),
-                      "speedup_vs_ar": 1.0}
+        comparison = Comparison(exact_match=True, first_divergence=None, compared_tokens=len(ar.output_ids),
+                                speedup_vs_ar=1.0)
     else:
         comparison = compare_outputs(result, ar)
-    comparison.update(ar_reused=baseline.reused, ar_measured_at=round(baseline.measured_at, 3),
-                      ar_age_s=round(max(0.0, time.time() - baseline.measured_at), 3),
-                      ar_steps=ar.config.get("steps", "eager"))
-    result.comparison = comparison
+    result.comparison = replace(comparison, ar_reused=baseline.reused, ar_measured_at=round(baseline.measured_at, 3),
+                                ar_age_s=round(max(0.0, time.time() - baseline.measured_at), 3),
+                                ar_steps=ar.config.steps)

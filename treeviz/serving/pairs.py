@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import traceback
-from typing import Any
+from dataclasses import dataclass
 
 from engine.capture.packages import missing, prepare_capture
 from engine.core.runtime import cache_dir
@@ -50,6 +50,18 @@ def warm_up(name: str, pair) -> None:
                    max_new_tokens=4)
     for _ in start_run(pair, spec):
         pass
+
+
+@dataclass(frozen=True)
+class PairStatus:
+    """A PairManager's state at one moment, read under its lock: the page's model line and the run's wait read it."""
+    name: str | None                     # the pair requested last
+    loaded: str | None                   # the pair loaded now
+    loading: bool
+    progress: tuple[float, str]          # (fraction, message) of the load under way
+    error: str | None
+    description: str                     # the loaded pair in words ("": none)
+    capture: str                         # what the captured steps are doing ("": nothing)
 
 
 class PairManager:
@@ -195,11 +207,11 @@ class PairManager:
             if gen == self._generation:
                 self.capture = text
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> PairStatus:
         with self._cond:
-            return {"name": self.name, "loaded": self.loaded_name, "loading": self.loading,
-                    "progress": self.progress, "error": self.error, "description": self.description,
-                    "capture": self.capture}
+            return PairStatus(name=self.name, loaded=self.loaded_name, loading=self.loading,
+                              progress=self.progress, error=self.error, description=self.description,
+                              capture=self.capture)
 
     def ready(self, name: str, timeout: float = 0.25):
         """The loaded pair `name`, or None if it is still loading after `timeout` s; UserError if it failed."""

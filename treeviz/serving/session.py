@@ -88,7 +88,7 @@ class RunSession:
         self.server.pairs.request(name)
         told = -1.0
         while self.server.pairs.ready(name) is None and not self.cancelled:  # ready() waits up to 0.25 s
-            fraction, message = self.server.pairs.status()["progress"]
+            fraction, message = self.server.pairs.status().progress
             if fraction != told:
                 told = fraction
                 yield Progress(f"waiting for the models: {message}", fraction)
