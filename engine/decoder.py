@@ -75,7 +75,8 @@ class StopRule:
 class Decoder:
     """A run recipe: a pair, a strategy, a verification rule, sampling settings, how the forwards run, and the run
     plug-ins. `run` starts a DecodeRun with it; nothing in it changes while runs decode (each run decodes with a
-    fresh copy of `strategy`, so two runs of one decoder start alike)."""
+    fresh copy of `strategy`, so two runs of one decoder start alike). A strategy on the "auto" preset resizes only
+    with engine/measure/autosize.py `auto_sizing` among the plug-ins (engine/recipe.py `make_decoder` adds it)."""
     pair: "ModelPair" = field(repr=False)
     strategy: Strategy
     verifier: Verifier | None = None  # None: the strategy's default rule at these sampling settings
