@@ -1,4 +1,5 @@
-"""Per-iteration records and whole-run traces: plain JSON-able data, the only thing the UI and the benchmarks read.
+"""Per-iteration records and whole-run traces: typed dataclasses that serialise to plain JSON, the only thing the UI
+and the benchmarks read (by field; keys appear only in `to_dict` and `run_from_dict`).
 
 An exported trace replays with no models loaded. SCHEMA_VERSION changes whenever a field is added or changes meaning,
 so an older reader refuses a newer trace with a plain message instead of a confusing field error; this reader reads
