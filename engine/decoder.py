@@ -160,7 +160,7 @@ class DecodeRun:
         self.logits: torch.Tensor | None = None
 
     def __iter__(self):
-        # Inference mode per step, not across yields: a consumer (a Gradio generator handler) may resume this
+        # Inference mode per call, not across yields: a consumer (a Gradio generator handler) may resume this
         # generator on a different thread each time, and grad mode is thread-local.
         with torch.inference_mode():
             self.start()
@@ -178,15 +178,15 @@ class DecodeRun:
         self.result = self.run_result(time.perf_counter() - self.started - self.paused_s)
 
     def snapshot(self) -> RunResult | None:
-        """The run so far as a RunResult: metrics over the iterations done, decoding wall time up to the last step
-        (None before the prefill; the final result once decoding has ended). Lists are copied: the run keeps
-        growing its own."""
+        """The run so far as a RunResult: metrics over the iterations done, decoding wall time up to the last
+        iteration (None before the prefill; the final result once decoding has ended). Lists are copied: the run
+        keeps growing its own."""
         if self.result is not None or self.started is None:
             return self.result
         now = self._paused_at or time.perf_counter()
         return self.run_result(now - self.started - self.paused_s, reason="")
 
-    # -- the run's steps ---------------------------------------------------------------------------------------------
+    # -- the run, stage by stage --------------------------------------------------------------------------------------
     def start(self) -> None:
         """The prompt's ids, a fresh copy of the strategy, both models' steps (empty caches), the drafter, the run's
         generator, and its hooks (the strategy, then the plug-ins that apply), told that the run began."""

@@ -201,7 +201,8 @@ class Comparison:
     reference_margin: float | None = None  # AR's top-2 logit margin at the divergence
     run_margin: float | None = None
     speedup_vs_ar: float | None = None   # None where either run has no tokens/s
-    ar_reused: bool | None = None        # the app's AR cache (treeviz/serving/ar_cache.py): reused, when measured, how long ago
+    # the app's AR cache (treeviz/serving/ar_cache.py): reused, when measured, how long ago
+    ar_reused: bool | None = None
     ar_measured_at: float | None = None
     ar_age_s: float | None = None
     ar_steps: str | None = None

@@ -6,6 +6,6 @@ model work behind the GPU boundary (work.py: decode/compare/race/sweep events), 
 cache, the one compute thread, the update throttle, ZeroGPU (gpu.py) and the plain error sentences (errors.py).
 
 May import the engine and gradio's error type (gr.Error: ZeroGPU reports through it); never plotly, treeviz.page or
-treeviz.figures: the work yields records, drawing them is the page's business. This package imports nothing itself, so app.py can import
-serving.gpu (and `spaces`) before anything imports torch.
+treeviz.figures: the work yields records, drawing them is the page's business. This package imports nothing
+itself, so app.py can import serving.gpu (and `spaces`) before anything imports torch.
 """
