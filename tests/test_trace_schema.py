@@ -94,3 +94,22 @@ def test_a_trace_whose_metrics_are_not_an_object_is_refused():
     data["metrics"] = [1, 2]
     with pytest.raises(TraceError, match="not a treeviz trace"):
         run_from_dict(data)
+
+
+def test_a_schema_5_trace_written_by_the_previous_code_loads_typed():
+    """tests/data/trace_schema5_dynatree_tiny.json was saved (compact) by the last schema-5 code: DynaTree on the tiny
+    related pair, compared with AR. Every dict of that era becomes its dataclass, with the same values."""
+    path = Path(__file__).resolve().parent / "data" / "trace_schema5_dynatree_tiny.json"
+    raw = json.loads(path.read_text())
+    assert raw["schema_version"] == 5
+    run = load_run(path)
+    assert isinstance(run.metrics, RunMetrics) and isinstance(run.config, RunConfig)
+    assert isinstance(run.comparison, Comparison) and run.comparison.exact_match is True
+    assert run.comparison.speedup_vs_ar == raw["comparison"]["speedup_vs_ar"] == run.metrics.speedup_vs_ar
+    assert run.metrics.tokens_per_s == raw["metrics"]["tokens_per_s"]
+    assert run.metrics.stage_s.total == pytest.approx(sum(raw["metrics"]["stage_s"].values()))  # 5 had no total
+    assert run.config.sampling == RunSampling(**raw["config"]["sampling"])
+    assert [asdict(s) for s in run.token_sources] == raw["token_sources"]
+    assert all(isinstance(it.times, StageTimes) for it in run.iterations)
+    assert asdict(run.iterations[0].times) == raw["iterations"][0]["times"]
+    assert run_from_dict(run.to_dict()).to_dict() == run.to_dict()  # and it saves as schema 6 without loss
