@@ -185,3 +185,26 @@ def test_the_recipe_plugs_the_sizer_in_exactly_for_the_auto_preset():
     run = make_decoder(pair, spec).run("hello", max_new_tokens=4, stop_on_eos=False)
     list(run)
     assert run.hooks == [run.strategy]  # no cost table: no sizer
+
+
+def test_a_sweep_under_the_auto_preset_holds_each_size_for_its_whole_run(monkeypatch):
+    """The Sweep takes the page's preset, "auto" by default: each point must run at its own size from the first
+    iteration to the last (the sizer, which moves the knob on this table, stays out of the run) with the auto
+    preset's other starting values; otherwise every point measures the sizer's choice."""
+    from engine.bench import sweep as sweep_module
+    from engine.recipe import RunSpec, make_decoder, start_run
+    monkeypatch.setattr(AutoSizer, "scale", lambda self: (1.0, 1.0))  # the synthetic table as given
+    pair = tiny_random_pair("identical", seed=0)
+    pair.costs = costs(VERIFY["knee at 8 rows"])
+    spec = RunSpec(pair="tiny", prompt="hello", strategy="dynatree", preset="auto", max_new_tokens=24,
+                   stop_on_eos=False)
+    assert make_decoder(pair, spec).plugins == (auto_sizing,)  # a Run on this preset sizes its trees
+    held = sweep_module.held_at(spec, "budget", 5)
+    assert make_decoder(pair, held).plugins == ()
+    assert make_decoder(pair, held).strategy.settings == make_strategy("dynatree", "auto", budget=5).settings
+    runs = []
+    monkeypatch.setattr(sweep_module, "start_run", lambda *a, **k: runs.append(start_run(*a, **k)) or runs[-1])
+    events = list(sweep_module.run_sweep(pair, spec, values=[3, 12]))
+    assert events[-1]["complete"] and [r.decoder.strategy.name for r in runs] == ["ar", "dynatree", "dynatree"]
+    for run, size in zip(runs[1:], (3, 12)):
+        assert {it.params["budget"] for it in run.result.iterations} == {size}

@@ -99,7 +99,7 @@ def run_sweep(pair, spec: RunSpec, values: list[int] | None = None, points: int 
         return
     sweep = _empty_sweep(pair, spec, param, values)
     total = len(values) + 1
-    runs = [(None, spec.as_method(AR))] + [(v, replace(spec, params={**spec.params, param.name: v})) for v in values]
+    runs = [(None, spec.as_method(AR))] + [(v, held_at(spec, param.name, v)) for v in values]
     for done, (value, run_spec) in enumerate(runs, start=1):
         result = _run(pair, run_spec, cancel)
         if result is None:
@@ -113,6 +113,16 @@ def run_sweep(pair, spec: RunSpec, values: list[int] | None = None, points: int 
     sweep["peak"] = max(sweep["points"], key=lambda p: p["tokens_per_s"] or 0.0)["size"]
     _remember(key, sweep)
     yield {"done": total, "total": total, "sweep": sweep, "complete": True}
+
+
+def held_at(spec: RunSpec, name: str, value: int) -> RunSpec:
+    """`spec` with its size knob `name` at `value`, held there for the whole run. Under the "auto" preset the sizer
+    would move the knob every iteration and every point would measure the sizer's choice, so the run takes the auto
+    preset's starting values on the cpu preset: the same settings, no sizer."""
+    if spec.preset != "auto":
+        return replace(spec, params={**spec.params, name: value})
+    start = STRATEGIES[spec.strategy].preset_values("auto")
+    return replace(spec, preset="cpu", params={**start, **spec.params, name: value})
 
 
 def _run(pair, spec: RunSpec, cancel: Callable[[], bool] | None):
