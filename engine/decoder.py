@@ -246,11 +246,7 @@ class DecodeRun:
             self.keep(tree, verdict.path, root_pos, built)
         with clock("other"):
             record = self.commit(tree, verdict, root_pos, params)
-        drafted = built and self.drafter is not None
-        record.times = clock.times(draft=self.drafter.seconds if drafted else 0.0, within="build")
-        self.price(record, drafted, len(tree))
-        for hooks in self.hooks:
-            hooks.recorded(record)
+        self.account(record, clock, built, len(tree))
         self.generated += record.new_tokens
         self.records.append(record)
         self.tree, self.logits = tree, logits
@@ -297,12 +293,17 @@ class DecodeRun:
         new, self.stop_reason = self.stop.cut(self.decoder.pair.tokenizer, self.generated, proposed)
         return iteration_record(len(self.records), root_pos, tree, verdict, new, params)
 
-    def price(self, record: IterationRecord, drafted: bool, rows: int) -> None:
-        """The record's draft forwards, and its cost as the measured table prices it (none without a table)."""
+    def account(self, record: IterationRecord, clock: StageClock, built: bool, rows: int) -> None:
+        """The record's stage times (the draft's own seconds carved out of build), draft forwards and cost as the
+        measured table prices it (none without a table); then the hooks see the record."""
+        drafted = built and self.drafter is not None
+        record.times = clock.times(draft=self.drafter.seconds if drafted else 0.0, within="build")
         record.draft_forwards = self.drafter.forwards if drafted else 0
         if self.decoder.costs is not None:
             record.cost = iteration_cost(self.decoder.costs, self.drafter.row_counts if drafted else [], rows,
                                          record.times, context=record.position)
+        for hooks in self.hooks:
+            hooks.recorded(record)
 
     def complete(self) -> None:
         """The last iteration's record made whole (p, top-10 p and q, texts) and its tokens' sources recorded: work
