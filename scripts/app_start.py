@@ -42,7 +42,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+
 from engine.core.prompts import load_prompt_set
+from engine.measure import costs
 from engine.models.build_guard import GiB, identities, kill_tree, proc_stat
 from scripts.ui_latency import free_port, has_tree
 
@@ -347,10 +350,8 @@ def measure_start(args, label: str, prompt: str, log: Path, out: dict) -> dict:
 # -- the report -------------------------------------------------------------------------------------------------------
 
 def cpu_info() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                  if line.startswith("model name")), "unknown")
-    import torch
-    return {"model": model, "capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+    """The CPU as the report names it: its model, the ISA torch's kernels dispatch to here, cores, torch."""
+    return {"model": costs.cpu_info()["name"], "capability": costs.cpu_capability(), "cores": os.cpu_count(),
             "torch": torch.__version__}
 
 

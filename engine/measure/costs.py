@@ -68,14 +68,19 @@ def cpu_info() -> dict[str, str]:
     return info
 
 
+def cpu_capability() -> str:
+    """The vector ISA ATen dispatches to here ("AVX512", "AVX2", "DEFAULT", ...), after ATEN_CPU_CAPABILITY."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
 def kernel_isa() -> str:
     """The instruction sets torch's CPU kernels actually use, after the variables that lower them (an emulated CPU
     class, docs/cpu.md, gets tables of its own): ATen's dispatch level, oneDNN's bf16 and MKL's setting."""
-    try:
-        aten = str(torch.backends.cpu.get_cpu_capability())
-    except (AttributeError, RuntimeError):
-        aten = "unknown"
-    return f"{aten}/onednn-bf16={int(onednn_bf16())}/mkl={os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'auto')}"
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "auto")
+    return f"{cpu_capability()}/onednn-bf16={int(onednn_bf16())}/mkl={mkl}"
 
 
 def machine(device: torch.device) -> dict:

@@ -7,12 +7,11 @@ bf16 dot products), else fp32, which keeps greedy decoding exact.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
 from engine.core.kernels import onednn_bf16
-from engine.measure.costs import cpu_info
+from engine.measure.costs import cpu_capability, cpu_info
 from engine.models.pair import ModelLoadError
 
 
@@ -53,21 +52,10 @@ def cpu_has_fast_bf16() -> bool:
     amx_bf16), AVX-512 kernels in ATen (ATEN_CPU_CAPABILITY may lower that) and bf16 GEMMs in oneDNN
     (ONEDNN_MAX_CPU_ISA may lower that). So an emulated AVX2-only machine (docs/cpu.md) is one here too. bf16 is the
     default only where this holds; elsewhere fp32 keeps greedy decoding exact and fast."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_info()["flags"].split()
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
         return False
     return cpu_capability().startswith("AVX512") and onednn_bf16()
-
-
-def cpu_capability() -> str:
-    """The vector ISA ATen dispatches to here ("AVX512", "AVX2", "DEFAULT", ...), after ATEN_CPU_CAPABILITY."""
-    try:
-        return str(torch.backends.cpu.get_cpu_capability())
-    except (AttributeError, RuntimeError):
-        return "unknown"
 
 
 def cpu_class() -> str:
