@@ -197,6 +197,7 @@ class DecodeRun:
             raise PromptError(f"prompt ({len(self.prompt_ids)} tokens) + max_new_tokens exceeds the model's "
                               f"{limit} positions")
         self.strategy: Strategy = copy.deepcopy(decoder.strategy)  # what it learns while decoding stays in this run
+        self.machine = machine_label(pair.device)  # what the run's speeds were measured on, once per run
         # At temperature > 0 the draft's q is the processed distribution (same rule as the target's p) and every
         # random draw of the run comes from one generator seeded with sampling.seed.
         self.generator = None if sampling.greedy else torch.Generator(device=pair.device).manual_seed(sampling.seed)
@@ -333,7 +334,7 @@ class DecodeRun:
             config=RunConfig(target=pair.target_name, draft=pair.draft_name if strategy.uses_draft else None,
                              steps=decoder.steps_label(),
                              device=str(pair.device), dtype=str(pair.dtype).removeprefix("torch."),
-                             machine=machine_label(pair.device),
+                             machine=self.machine,
                              verifier=decoder.verifier.name, sampling=known(RunSampling, decoder.sampling.as_dict()),
                              max_new_tokens=stop.max_new_tokens,
                              stop_on_eos=bool(stop.eos_ids), stop_strings=list(stop.stop_strings)),
