@@ -83,6 +83,9 @@ def known(cls, data: dict[str, Any] | None):
     return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
 
+STAGES = ("draft", "build", "verify", "commit", "other")  # StageTimes' parts; total is their sum
+
+
 @dataclass
 class StageTimes:
     """Seconds of an iteration's stages (IterationRecord.times), or their sums over a run (RunMetrics.stage_s):
@@ -99,11 +102,8 @@ class StageTimes:
         """Schema < 6 run sums had no "total": it is the sum of the stages."""
         times = known(cls, data)
         if data is not None and "total" not in data:
-            times.total = times.draft + times.build + times.verify + times.commit + times.other
+            times.total = sum(getattr(times, stage) for stage in STAGES)
         return times
-
-
-STAGES = ("draft", "build", "verify", "commit", "other")  # StageTimes' parts; total is their sum
 
 
 @dataclass

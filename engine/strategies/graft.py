@@ -164,7 +164,7 @@ class LookupGrafted:
         else:
             self.gate.learn(committed[seen:])
         self.index = fresh
-        self.vocab_size = width or self.vocab_size
+        self.vocab_size = width
 
     def build(self, drafter, tree: DraftTree) -> None:
         """The model's tree under the budget less the lookup reservation, then the lookup branches; or, where the gate

@@ -50,7 +50,7 @@ class Lookup(Strategy):
     def before_build(self, committed: list[int], width: int) -> None:
         """Extend the index with the tokens committed since the last call (rebuild it if the context changed)."""
         self.index = follow(self.index, committed)
-        self.vocab_size = width or self.vocab_size
+        self.vocab_size = width
 
     def build(self, drafter, tree) -> None:
         c = self.settings

@@ -62,18 +62,18 @@ class RunSession:
             yield Started(opening)
             yield from self._wait_for_pair(pair_name)
             yield from self._take_lock()
-            steps = None
+            work_events = None
             try:
-                steps = work(*args, self.key)
+                work_events = work(*args, self.key)
                 while True:
                     self.check()
-                    event = COMPUTE.call(next, steps, _END)
+                    event = COMPUTE.call(next, work_events, _END)
                     if event is _END:
                         return
                     yield event
             finally:
-                if steps is not None:
-                    COMPUTE.call(steps.close)
+                if work_events is not None:
+                    COMPUTE.call(work_events.close)
                 self.server.pairs.run_lock.release()
         except Exception as err:  # noqa: BLE001 - every error becomes one plain line, the traceback goes to the log
             if self.cancelled:  # Cancelled, raised here or by the work (from a ZeroGPU worker, as the worker's error)
