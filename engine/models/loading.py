@@ -114,6 +114,13 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or "\\" in spec or spec.count("/") > 1
 
 
+def model_key(spec, role: str) -> str:
+    """A model spec as loading names it: "default" is the packaged model of its role ("default-target" /
+    "default-draft"), anything else as given, stripped. One mapping for loading and for converting ahead."""
+    spec = str(spec).strip()
+    return f"default-{role}" if spec == "default" else spec
+
+
 def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | str, trust_remote_code: bool = False,
                progress: Progress | None = None, role: str = "target",
                tokenizer: PreTrainedTokenizerBase | None = None):
@@ -125,13 +132,11 @@ def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | st
         raise ValueError(f"role must be 'target' or 'draft', not {role!r}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    spec = str(spec).strip()
+    spec = model_key(spec, role)
     base, talf, adapter = spec.partition(TALF_SUFFIX)
     if talf:
         return _load_with_adapter(base, adapter, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                   progress=progress, role=role, tokenizer=tokenizer)
-    if spec == "default":
-        spec = f"default-{role}"
 
     if spec in PACKAGED:
         work = preparation_work(spec, dtype)
@@ -236,7 +241,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
         draft = None
     # The target usually dominates: give it most of the bar.
     split = 0.7 if draft is not None else 1.0
-    ahead = prepare_ahead("default-draft" if draft == "default" else str(draft), dtype) if draft else None
+    ahead = prepare_ahead(model_key(draft, "draft"), dtype) if draft else None
     t_model, t_tok, t_name = load_model(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                         progress=span(progress, 0.0, split), role="target")
     check_rollbackable(t_model.config, t_name)
