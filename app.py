@@ -40,8 +40,11 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     SERVER.pairs.capture_mode = args.capture
-    if on_zero_gpu():  # ZeroGPU moves what is on `cuda` at startup into each GPU worker: load before launching
-        SERVER.pairs.load(args.pair, device="cuda")
+    if on_zero_gpu():  # ZeroGPU moves what is on `cuda` at startup into each GPU worker: load before launching,
+        SERVER.pairs.load(args.pair, device="cuda")  # on this (the main) thread, the only one ZeroGPU emulates CUDA for
+        SERVER.pairs.pin()  # and serve that pair alone: another could only load on another thread
+        if SERVER.pairs.error:
+            logging.getLogger("treeviz").error("the start pair did not load: %s", SERVER.pairs.error)
     demo = build_demo(initial_pair=args.pair, load_on_start=not args.no_preload and not on_zero_gpu())
     demo.queue(default_concurrency_limit=4)
     demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())

@@ -1,4 +1,8 @@
-"""Command line: `python -m engine generate|bench|costs ...` (see --help of each)."""
+"""Command line: `python -m engine generate|bench|costs ...` (see --help of each).
+
+Every command defaults to the configuration the app runs (engine/bench/configuration.py: the measured draft
+vocabulary and draft formats, the `auto` preset, dtype and kernels chosen for this machine), so the command line
+measures what the page shows; a flag picks another configuration, and each report names the one it ran."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from engine.bench.configuration import APP_CONFIGURATION, configuration_text, run_configuration
 from engine.core.sampling import Sampling
 from engine.measure.metrics import drift_warning
 from engine.models import PAIRS
@@ -19,24 +24,30 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="default | tiny-random | hub id | local directory | .gguf path")
     p.add_argument("--draft", help="as --target (default: the pair's draft); none: the target alone (ar, lookup, "
                                    "hf-prompt-lookup)")
-    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (default auto)")
+    p.add_argument("--dtype", default=APP_CONFIGURATION["dtype"],
+                   help="auto | fp32 | bf16 | fp16 (default auto, the app's: bf16 where this CPU has native bf16, "
+                        "else fp32). fp32 is the exact mode: greedy trees equal AR token for token; in bf16 a "
+                        "near-tie can round differently in a tree's multi-row forward than in AR's one-row step")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
-    p.add_argument("--packed-weights", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--packed-weights", default=APP_CONFIGURATION["packed_weights"], choices=("auto", "on", "off"),
                    help="CPU weight formats made by packing once (MKL, oneDNN): auto = offered to the per-shape "
                         "probe beside plain, kept where they measure fastest and fit memory; on = packed only (no "
                         "plain path); off = never packed")
-    p.add_argument("--draft-vocab", default="full",
+    p.add_argument("--draft-vocab", default=APP_CONFIGURATION["draft_vocab"],
                    help="N | full | auto: the draft scores only the N most frequent tokens (assets/vocab); auto: "
-                        "32768 where a committed frequency table fits the tokenizer (the app's default); default full")
-    p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4", "dyn8", "auto"),
+                        "32768 where a committed frequency table fits the tokenizer, else full (default auto, the "
+                        "app's)")
+    p.add_argument("--draft-quant", default=APP_CONFIGURATION["draft_quant"],
+                   choices=("none", "int8", "int4", "dyn8", "auto"),
                    help="quantised path for the draft's linears (CPU), used where measured faster: int8 / int4 "
                         "weight-only, dyn8 int8 weights times int8 activations (fbgemm, x86); auto = all of them "
-                        "this CPU has, the router picks per row count (the app's default)")
+                        "this CPU has, the router picks per row count; none = the draft's plain and packed formats "
+                        "only (default auto, the app's)")
     p.add_argument("--steps", default="auto", choices=("auto", "static", "dynamic"),
                    help="model forwards on a growing cache (dynamic) or a preallocated one with row-count buckets "
                         "(static); auto: static exactly when the run takes captured steps (default auto)")
-    p.add_argument("--capture", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--capture", default=APP_CONFIGURATION["capture"], choices=("auto", "on", "off"),
                    help="captured steps (docs/capture.md): on CPU, each model's forwards compiled ahead of time by "
                         "AOTInductor once per machine (minutes the first time, seconds after) and used at the row "
                         "counts where they measure faster; on CUDA, one CUDA graph per row-count bucket (validated "
@@ -44,9 +55,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the forward-cost table again instead of reading it from the cache")
     p.add_argument("--preset", default=None,
-                   help="strategy parameter preset: auto (default: tree size from this machine's measured costs) | "
-                        "cpu (fixed sizes tuned on a 2-core CPU; the default when you set a size flag yourself) | "
-                        "paper")
+                   help="strategy parameter preset: auto (default, the app's: tree size from this machine's "
+                        "measured costs) | cpu (fixed sizes tuned on a 2-core CPU; the default when you set a size "
+                        "flag yourself) | paper")
 
 
 SAMPLING_FLAGS = {"temperature", "top_k", "top_p", "seed", "verifier"}
@@ -130,7 +141,14 @@ def _preset(args, strategies: list[str]) -> str:
     if args.preset:
         return args.preset
     knobs = {STRATEGIES[s].auto_param for s in strategies if s in STRATEGIES} - {None}
-    return "cpu" if any(getattr(args, f"param_{k}", None) is not None for k in knobs) else "auto"
+    return "cpu" if any(getattr(args, f"param_{k}", None) is not None for k in knobs) else APP_CONFIGURATION["preset"]
+
+
+def _configuration(args, pair, preset: str | None) -> dict:
+    """The configuration this command ran (engine/bench/configuration.py), from its flags and the loaded pair;
+    `preset` None for a command that sizes no tree (costs). Every report carries it: a number names its setup."""
+    asked = {key: getattr(args, key) for key in APP_CONFIGURATION if key != "preset"}
+    return run_configuration(pair, {**asked, "preset": preset})
 
 
 def _models(args) -> tuple[str, str | None]:
@@ -194,6 +212,8 @@ def cmd_generate(args) -> int:
     from engine.bench.tables import compare_with_ar
     spec = _run_spec(args)
     pair = _load(args)
+    configuration = _configuration(args, pair, spec.preset)
+    print(configuration_text(configuration), file=sys.stderr)
     if args.compare_ar:
         result = compare_with_ar(pair, spec, args.compare_repeats)
         if args.verbose:  # the kept run's iterations (the runs decode silently: printing is not decoding time)
@@ -209,6 +229,7 @@ def cmd_generate(args) -> int:
     print(_summary(result), file=sys.stderr)
     if args.json:
         data = result.to_dict()
+        data["config"]["configuration"] = configuration
         if result.comparison:
             data["exact_match"] = result.comparison.exact_match
         Path(args.json).write_text(json.dumps(data, ensure_ascii=False, indent=1))
@@ -217,6 +238,8 @@ def cmd_generate(args) -> int:
 
 
 def _summary(result) -> str:
+    """The run's numbers in one paragraph, and against AR where it was compared (why it may differ in bf16)."""
+    from engine.bench.tables import REDUCED_PRECISION
     m = result.metrics
     summary = (f"\n[{result.strategy}] {m.new_tokens} tokens in {m.total_s:.2f} s = {m.tokens_per_s:.2f} "
                f"tok/s | L̄ {m.mean_tokens_per_iter:.2f} | ℓ̄ {m.mean_accepted_len:.2f} | "
@@ -234,6 +257,9 @@ def _summary(result) -> str:
         if not c.exact_match:
             summary += f" (first divergence at token {c.first_divergence}, AR top-2 margin " \
                        f"{c.reference_margin})"
+            if result.config.dtype in REDUCED_PRECISION and result.config.sampling.greedy:
+                summary += (f"\nnote: in {result.config.dtype} a tree's multi-row forward and AR's one-row step "
+                            "can round a near-tie apart; no rule is lossy (docs/rules.md). --dtype fp32 is exact")
     warning = drift_warning(m.cost_drift)
     if warning:
         summary += f"\nnote: {warning}"
@@ -258,6 +284,7 @@ def cmd_bench(args) -> int:
     report = bench(pair, methods, args.prompt_set, args.max_new_tokens, args.repeats, args.limit, preset,
                    params, log=lambda s: print(s, file=sys.stderr, flush=True), sampling=_sampling(args),
                    verifier=args.verifier, compiled_ar=args.compiled_ar)
+    report["config"]["configuration"] = _configuration(args, pair, preset)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -269,13 +296,15 @@ def cmd_costs(args) -> int:
     from engine.capture.packages import format_capture
     from engine.measure.costs import format_costs
     pair = _load(args)
+    configuration = _configuration(args, pair, None)
+    print(configuration_text(configuration))
     print(format_costs(pair.costs, pair.routing(), {role: c.summary() for role, c in pair.formats.items()}))
     for note in pair.memory_notes:
         print(f"memory plan: {note}")
     if pair.capture_info:
         print(format_capture(pair))
     if args.json:
-        Path(args.json).write_text(json.dumps(pair.costs.to_dict(), indent=1))
+        Path(args.json).write_text(json.dumps({**pair.costs.to_dict(), "configuration": configuration}, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

@@ -52,7 +52,7 @@ PLAN = (
 def run_one(spec: RunSpec):
     """The run with AR beside it, through the run session the app's Run goes through."""
     last = None
-    for event in SERVER.open("make_gallery", "run").events("", spec.pair, decode_events, spec):
+    for event in SERVER.open("make_gallery", "run").events("", spec.pair, decode_events, spec, baseline_for=spec):
         if isinstance(event, Failed):
             raise UserError(event.message)
         last = event

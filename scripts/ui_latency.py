@@ -118,7 +118,7 @@ def update_cost(args) -> None:
     plain, costs, view = work.UpdateThrottle, [], RunView(spec, "per iteration", PageState())
     work.UpdateThrottle = partial(UpdateThrottle, min_interval=0.0, share=1.0)  # an update at every iteration
     try:
-        for event in work.decode_events(spec, "ui-latency/run"):
+        for event in work.decode_events(spec, SERVER.open("ui-latency", "run").ticket(spec)):
             if isinstance(event, Iteration):  # what the Run handler builds for one streamed update
                 t0 = time.perf_counter()
                 view.update(event)

@@ -19,13 +19,13 @@ UNIT_ROUNDOFF = 2.0 ** -24  # fp32
 def floor_bound(exact: list[torch.Tensor], reduction: int) -> float:
     """The smallest error any fp32 ordering may show: sqrt(K) * u of the largest magnitude (a random-walk sum of K
     terms), so a reference path that happens to round exactly does not make the bound zero."""
-    largest = max(float(x.abs().max()) for x in exact)
+    largest = max(float(x.detach().abs().max()) for x in exact)
     return reduction ** 0.5 * UNIT_ROUNDOFF * largest
 
 
 def accuracy_bound(reference: list[torch.Tensor], exact: list[torch.Tensor], reduction: int) -> float:
     """FACTOR x the reference path's largest error against float64, floored by `floor_bound`."""
-    error = max(float((r.double() - e.double()).abs().max()) for r, e in zip(reference, exact))
+    error = max(float((r.detach().double() - e.detach().double()).abs().max()) for r, e in zip(reference, exact))
     return max(FACTOR * error, floor_bound(exact, reduction))
 
 
@@ -36,7 +36,7 @@ def assert_as_accurate(got: list[torch.Tensor], reference: list[torch.Tensor], e
     bound = accuracy_bound(reference, exact, reduction)
     assert len(got) == len(exact)
     for i, (g, e) in enumerate(zip(got, exact)):
-        error = float((g.double() - e.double()).abs().max())
+        error = float((g.detach().double() - e.detach().double()).abs().max())
         assert error <= bound, f"forward {i}: off float64 by {error:.3g}, the reference path's rounding allows {bound:.3g}"
         top = e.double().topk(2, dim=-1)
         clear = (top.values[..., 0] - top.values[..., 1]) > 2 * bound
@@ -46,5 +46,5 @@ def assert_as_accurate(got: list[torch.Tensor], reference: list[torch.Tensor], e
 
 def assert_caught(wrong: list[torch.Tensor], exact: list[torch.Tensor], bound: float) -> None:
     """A deliberately broken run is off by far more than the bound: the test can fail for the defect it guards."""
-    error = max(float((w.double() - e.double()).abs().max()) for w, e in zip(wrong, exact))
+    error = max(float((w.detach().double() - e.detach().double()).abs().max()) for w, e in zip(wrong, exact))
     assert error > 10 * bound, f"a broken run is off by only {error:.3g} against a bound of {bound:.3g}"

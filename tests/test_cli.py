@@ -6,7 +6,7 @@ import pytest
 
 from engine.bench.tables import run_method
 from engine.cli import main, strategy_docs
-from engine.core.trace import SCHEMA_VERSION
+from engine.core.trace import SCHEMA_VERSION, load_run
 from engine.strategies import STRATEGIES, StrategyError
 
 
@@ -292,7 +292,127 @@ def test_bench_runs_a_method_without_a_preset_on_the_default_one_whatever_the_la
         seen["preset"] = preset
         return {"rows": [], "config": {}}
 
+    def fake_configuration(args, pair, preset):
+        seen["named"] = preset
+        return {"differs_from_app": ["capture", "preset"], "flags": {"capture": "off", "preset": preset}, "ran": {},
+                "draft": None}
+
     monkeypatch.setattr(engine.bench.tables, "bench", fake_bench)
     monkeypatch.setattr(engine.cli, "_load", lambda args: None)
+    monkeypatch.setattr(engine.cli, "_configuration", fake_configuration)
     assert main(["bench", "--pair", "tiny-random", "--capture", "off", "--preset", "cpu", "--strategies", "ar,fixed,fixed@auto"]) == 0
-    assert seen["preset"] == "cpu"
+    assert seen["preset"] == "cpu" and seen["named"] == "cpu"  # the report names the preset the bench ran
+
+
+# -- one configuration everywhere: the command line runs what the app runs, and every report names it --------------
+
+class _Loaded(Exception):
+    """Raised by a stand-in load_pair once it has recorded how it was called."""
+
+
+def _load_call(monkeypatch, module, argv_or_load) -> dict:
+    """The keyword arguments one load_pair call receives (every default filled in), stopping before any model loads."""
+    import inspect
+
+    from engine.models.loading import load_pair  # the real one: engine.models' may be a stand-in by now
+    defaults = {k: p.default for k, p in inspect.signature(load_pair).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    seen = {}
+
+    def record(target, draft, **kwargs):
+        seen.update({**defaults, **kwargs, "target": target, "draft": draft})
+        raise _Loaded
+
+    monkeypatch.setattr(module, "load_pair", record)
+    if callable(argv_or_load):
+        argv_or_load()
+    else:
+        with pytest.raises(_Loaded):
+            main(argv_or_load)
+    seen.pop("progress", None)
+    return seen
+
+
+def test_every_command_loads_the_pair_as_the_app_does(monkeypatch):
+    """generate, bench and costs with no flag but the pair call load_pair exactly as the app loads its pair (dtype,
+    kernels, draft vocabulary, draft formats, captured steps, calibration), and size trees with the app's preset."""
+    import importlib
+
+    import engine.models
+    from engine.bench.configuration import APP_CONFIGURATION
+    from engine.cli import _preset, build_parser
+    from treeviz.serving import pairs as app_pairs
+    monkeypatch.delenv("TREEVIZ_CAPTURE", raising=False)  # the tests' own setting, not the app's default
+    manager = app_pairs.PairManager(capture=importlib.import_module("app").parse_args([]).capture)
+    app = _load_call(monkeypatch, app_pairs, lambda: manager.load("tiny-random"))
+    assert manager.error and app["draft_quant"] == "auto" and app["draft_vocab"] == "auto"
+    commands = {"generate": ["--prompt", "x"], "bench": [], "costs": []}
+    for command, extra in commands.items():
+        cli = _load_call(monkeypatch, engine.models, [command, "--pair", "tiny-random", *extra])
+        assert cli == app, command
+        args = build_parser().parse_args([command, "--pair", "tiny-random", *extra])
+        assert {k: getattr(args, k) for k in APP_CONFIGURATION if k != "preset"} == {
+            "dtype": "auto", "packed_weights": "auto", "draft_vocab": "auto", "draft_quant": "auto", "capture": "auto"}
+        assert _preset(args, ["dynatree"]) == APP_CONFIGURATION["preset"] == "auto"
+
+
+def test_generate_names_the_configuration_it_ran(tmp_path, capsys):
+    """The printed header and the --json trace's config name each knob as asked and as it ran; --capture off (kept
+    off here: building the packages takes minutes) is named as the one flag that is not the app's."""
+    out = tmp_path / "run.json"
+    assert main(["generate", "--pair", "tiny-random", "--capture", "off", "--prompt", "hello", "--max-new-tokens", "8",
+                 "--no-eos", "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "configuration: differs from the app's in --capture off (the app's: auto): dtype auto → " in err
+    assert "draft vocabulary auto → full; draft formats auto → " in err and "; preset auto" in err
+    data = json.loads(out.read_text())
+    named = data["config"]["configuration"]
+    assert named["flags"] == {"dtype": "auto", "packed_weights": "auto", "draft_vocab": "auto", "draft_quant": "auto",
+                              "capture": "off", "preset": "auto"}
+    assert named["differs_from_app"] == ["capture"] and named["app"] is False
+    assert named["ran"]["dtype"] == data["config"]["dtype"] and named["ran"]["capture"] == "eager"
+    assert named["ran"]["draft_vocab"] == "full"  # tiny-random's tokenizer has no committed frequency table
+    assert set(named["routing"]) == {"target", "draft"}
+    assert load_run(out).config.dtype == data["config"]["dtype"]  # the trace still loads
+
+
+def test_flags_pick_another_configuration_and_fp32_is_exact(tmp_path, capsys):
+    """Every knob set by flag: the draft keeps no quantised format, the preset is cpu, and the header and the trace
+    list every flag that is not the app's. fp32 is the exact mode: the tree's output equals AR's token for token."""
+    out = tmp_path / "run.json"
+    assert main(["generate", "--pair", "tiny-random", "--dtype", "fp32", "--packed-weights", "off", "--draft-vocab",
+                 "128", "--draft-quant", "none", "--capture", "off", "--preset", "cpu", "--prompt", "def f(x):",
+                 "--max-new-tokens", "24", "--no-eos", "--compare-ar", "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert ("configuration: differs from the app's in --dtype fp32 (the app's: auto), --packed-weights off (the app's: "
+            "auto), --draft-vocab 128 (the app's: auto), --draft-quant none (the app's: auto), --capture off (the "
+            "app's: auto), --preset cpu (the app's: auto): dtype fp32 → float32;") in err
+    data = json.loads(out.read_text())
+    named = data["config"]["configuration"]
+    assert named["differs_from_app"] == ["dtype", "packed_weights", "draft_vocab", "draft_quant", "capture", "preset"]
+    assert named["ran"]["draft_vocab"] == 128 and named["ran"]["draft_quant"] == "plain"
+    assert data["config"]["dtype"] == "float32" and data["exact_match"] is True
+    assert "exact match True" in err
+
+
+def test_bench_and_costs_reports_name_the_configuration(tmp_path, capsys):
+    """The bench's table opens with the configuration and its JSON carries it, beside each method's agreement with
+    AR per prompt set; costs prints and writes it too (no preset: costs sizes no tree)."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--capture", "off", "--compiled-ar", "off",
+                 "--strategies", "ar,dynatree", "--prompt-set", "code", "--limit", "2", "--max-new-tokens", "8",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("configuration: differs from the app's in --dtype fp32 (the app's: auto), --capture off")
+    assert "draft formats auto → " in table.splitlines()[0] and "agreement with AR" in table
+    assert table.count("1.00 (2/2)") == 2  # fp32: both methods equal AR on both prompts
+    report = json.loads(out.read_text())
+    assert report["config"]["configuration"]["flags"]["draft_quant"] == "auto"
+    assert report["config"]["configuration"]["differs_from_app"] == ["dtype", "capture"]
+    assert [(r["agreement_with_ar"], r["agreed_runs"]) for r in report["rows"]] == [(1.0, 2), (1.0, 2)]
+    costs = tmp_path / "costs.json"
+    assert main(["costs", "--pair", "tiny-random", "--capture", "off", "--json", str(costs)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("configuration: differs from the app's in --capture off") and "preset" not in first
+    named = json.loads(costs.read_text())["configuration"]
+    assert named["flags"]["draft_vocab"] == "auto" and named["flags"]["preset"] is None

@@ -22,7 +22,7 @@ def test_a_sessions_work_runs_every_step_on_the_compute_thread_in_lockstep(backe
     from treeviz.serving.events import Progress, Started
     log = []
 
-    def work(key):
+    def work(ticket):
         for i in range(3):
             log.append(("made", i, threading.get_ident()))
             yield Progress(str(i))
@@ -40,7 +40,7 @@ def test_closing_a_session_closes_its_work_on_the_compute_thread(backend):
     from treeviz.serving.events import Progress
     closed_on = []
 
-    def work(key):
+    def work(ticket):
         try:
             for i in range(100):
                 yield Progress(str(i))
@@ -63,7 +63,7 @@ def test_errors_reach_the_caller_and_the_thread_goes_on(backend):
     assert compute.call(lambda a, b: a + b, 2, 3) == 5
     assert compute.call(lambda: compute.call(threading.get_ident)) == compute.ident  # a call from itself runs inline
 
-    def work(key):
+    def work(ticket):
         yield Progress("1")
         raise ValueError("bad step")
     events = list(backend.open("errors", "run").events("go", "tiny-random", work))
@@ -78,10 +78,27 @@ def test_the_apps_runs_decode_on_the_compute_thread(backend):
     from treeviz.serving.events import Progress, Started
     seen = []
 
-    def work(key):
-        seen.append((threading.get_ident(), backend.pairs.run_lock.locked(), key))
+    def work(ticket):
+        seen.append((threading.get_ident(), backend.pairs.run_lock.locked(), ticket.key))
         yield Progress("step")
     events = list(backend.open("s", "run").events("go", "tiny-random", work))
     assert events == [Started("go"), Progress("step")]
     assert seen == [(COMPUTE.ident, True, "s/run")] and seen[0][0] != threading.get_ident()
     assert not backend.pairs.run_lock.locked() and backend.running("s") == []
+
+
+def test_each_call_runs_in_a_copy_of_the_callers_context():
+    """A context variable set by the caller (gradio's request is one: ZeroGPU's wrapper reads it) is seen by the call
+    on the compute thread; what the call sets stays in its copy."""
+    import contextvars
+    request = contextvars.ContextVar("request", default=None)
+    compute = ComputeThread("test-context")
+
+    def read_and_set():
+        seen = request.get()
+        request.set("changed on the compute thread")
+        return seen
+    request.set("the visitor's request")
+    assert compute.call(read_and_set) == "the visitor's request"
+    assert request.get() == "the visitor's request"
+    assert compute.call(request.get) == "the visitor's request"

@@ -26,3 +26,15 @@ def model_device(model) -> torch.device:
     """The device a model computes on: its first parameter that is not a shapeless stand-in on `meta` (a builder
     process drops the weights a package never reads: engine/capture/aoti.py `release_weights`)."""
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+_FORK_HOOK = []
+
+
+def one_thread_in_forked_children() -> None:
+    """Every child forked from this process afterwards runs torch's CPU ops on one thread. GNU OpenMP's thread pool
+    does not survive a fork: a child forked after the parent ran parallel CPU work can hang in its first parallel op.
+    ZeroGPU's workers are such children, and their work is on the GPU (so one CPU thread costs them nothing)."""
+    if not _FORK_HOOK:
+        os.register_at_fork(after_in_child=lambda: torch.set_num_threads(1))
+        _FORK_HOOK.append(True)

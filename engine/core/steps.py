@@ -18,7 +18,7 @@ StaticSteps preallocates the cache (`max_len` positions) and runs each forward o
   captured  a CPU package compiled ahead of time (engine/capture/aoti.py, through `captured`, the model's
             CapturedModel): exactly n rows, or padded to its bucket;
   graphed   a CUDA graph of the bucket's forward (engine/core/cuda_graphs.py), replayed after the inputs are copied in;
-  eager     the model called on the static cache, padded to its bucket where one holds it (so CPU tests exercise
+  eager     the model called on the static cache (or the fused step installed for it, engine/cuda/fused.py), padded to its bucket where one holds it (so CPU tests exercise
             what graphs replay), at its own size beyond every bucket (a prefill, the draft's first forward).
 Padded rows repeat the last token at the last position and each sees only its own column; their outputs never leave.
 Rollback copies the accepted rows into place and moves `length`; rows past it are stale but masked. Every forward
@@ -33,6 +33,7 @@ import torch
 
 from engine.core import kv
 from engine.core.cuda_graphs import CudaGraphs, clear_workspaces
+from engine.cuda.fused import installed as installed_step
 
 LADDER = (1, 2, 4, 8, 16, 32, 64)  # the row counts forwards are measured and captured at (buckets come from it)
 
@@ -204,6 +205,7 @@ class StaticSteps:
                                     device=self.device)
             # StaticCache allocates on its first write: one forward puts it at its final addresses (the row it
             # writes is past `length`: never seen)
+            self.__dict__.pop("keys", None)  # so that first forward is transformers' own, which allocates
             self._eager(self._staged([0], torch.zeros(1, dtype=torch.long), None, 1), 1, 0)
             self.keys = [layer.keys for layer in self.cache.layers]
             self.values = [layer.values for layer in self.cache.layers]
@@ -321,6 +323,9 @@ class StaticSteps:
     def _eager(self, inputs, rows: int, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward itself on the static cache (what a graph captures): every layer writes from `_start` on."""
         ids, pos, mask = inputs
+        fused = installed_step(self.model)
+        if fused is not None and hasattr(self, "keys"):  # the model's fused step (engine/cuda), once the cache exists
+            return fused(self.model.get_input_embeddings()(ids), pos, mask, self._start, self.keys, self.values, keep)
         for layer in self.cache.layers:
             if layer.is_initialized:  # StaticLayer writes at its own `cumulative_length`, which it advances
                 layer.cumulative_length.copy_(self._start)

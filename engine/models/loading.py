@@ -36,7 +36,8 @@ from engine.measure.formats import choose_formats, make_whole, plan_memory, weig
 from engine.models.devices import cpu_has_fast_bf16, resolve_device, resolve_dtype
 from engine.models.packaged import (LOAD_WORK, PACKAGED, prepare_ahead, preparation_work, prepared_model_dir,
                                     require_gguf_support)
-from engine.models.pair import ModelLoadError, ModelPair, check_rollbackable, check_same_vocab, short_error
+from engine.models.pair import (ModelLoadError, ModelPair, check_rollbackable, check_same_vocab, install_fused_steps,
+                               short_error)
 from engine.models.progress import Progress, say, span
 from engine.models.shapes import is_shape_spec, load_shape
 from engine.models.tiny import is_tiny_spec, load_tiny
@@ -263,6 +264,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
         if d_model is not None:  # a draft whose table differs by padding rows: the target's width (after trimming)
             fallback = next((i for i in (t_tok.pad_token_id, t_tok.eos_token_id) if i is not None), 0)
             match_draft_width(d_model, t_model.config.get_text_config().vocab_size, fallback)
+        install_fused_steps(pair)  # CUDA: fused, compiled steps, before the table is measured on them
         if calibrate:
             measure_fn = measure_graphed if pair.graphs else measure
             pair.costs = calibrate_pair(pair, recalibrate, progress=lambda f, m: say(progress, 1.0, m),

@@ -71,7 +71,9 @@ class ModelPair:
     def describe_capture(self) -> str:
         """e.g. "captured (AOTInductor): target 1-64 rows; draft 1-8 rows", "CUDA graphs", "eager"."""
         if self.graphs:
-            return "CUDA graphs per row-count bucket"
+            fused = self.capture_info.get("fused", {})
+            steps = ", ".join(f"{role} {how}" for role, how in fused.items())
+            return "CUDA graphs per row-count bucket" + (f" over fused steps ({steps})" if steps else "")
         if self.capture == "aoti" and self.captured:
             parts = [f"{role} rows {c.info()['serves']}" for role, c in self.captured.items()]
             return "captured (AOTInductor): " + "; ".join(parts)
@@ -207,3 +209,21 @@ def check_same_vocab(target: PreTrainedModel, target_tok: PreTrainedTokenizerBas
             f"differently ({len(only_t)} entries only in the target's vocabulary, {len(only_d)} only in the draft's; "
             f"e.g. {example}). Speculative decoding needs a draft whose token ids mean the same thing as the "
             "target's; pick a draft from the same model family (same tokenizer).")
+
+
+def install_fused_steps(pair: ModelPair) -> dict[str, str]:
+    """On a graphed (CUDA) pair, give each model the fused step (engine/cuda/fused.py: fused projections, the layer
+    compiled where torch.compile may run), which its static steps then run and graph; a model of a family it does not
+    cover keeps transformers' forward. TREEVIZ_CUDA_FUSED=0 keeps transformers' forward everywhere (the reference).
+    Returns, and records in capture_info["fused"], role -> "compiled", "eager" or why not."""
+    import os
+
+    from engine.cuda import fused
+    if not pair.graphs or os.environ.get("TREEVIZ_CUDA_FUSED", "1") == "0":
+        return {}
+    done = {}
+    for role, model, _ in pair.models():
+        reason = fused.unsupported(model)
+        done[role] = reason or ("compiled" if fused.install(model).compiled else "eager (no torch.compile here)")
+    pair.capture_info["fused"] = done
+    return done

@@ -16,7 +16,7 @@ from engine.capture.packages import capture_backend
 from engine.core.attention import use_tree_sdpa
 from engine.core.kernels import pack_linears
 from engine.models.devices import resolve_device, resolve_dtype
-from engine.models.pair import ModelLoadError, ModelPair
+from engine.models.pair import ModelLoadError, ModelPair, install_fused_steps
 
 _TINY_SPECIALS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 _TINY_CHAT_TEMPLATE = (
@@ -142,9 +142,11 @@ def tiny_random_pair(draft_kind: str | None = "related", seed: int = 0, dtype: t
             if packed:
                 pack_linears(model)
     mode = capture if capture is not None else ("on" if device.type == "cuda" else "off")
-    return ModelPair(target, draft, tokenizer, device, dtype, _tiny_name(None, seed, num_layers),
+    pair = ModelPair(target, draft, tokenizer, device, dtype, _tiny_name(None, seed, num_layers),
                      _tiny_name(draft_kind, seed, num_layers) if draft is not None else "none", packed=packed,
                      capture=capture_backend(mode, device))
+    install_fused_steps(pair)  # what load_pair does on CUDA: the tests then check the path users run
+    return pair
 
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from scripts.gpu_check import app, exact, fast
+from scripts.gpu_check import app, exact, fast, roofline
 from scripts.gpu_check.report import Context, Report, Section, run_sections
 
 # The sections in the order they run, with their wall-time budgets (seconds): on a GPU (the whole run must stay under
@@ -22,6 +22,8 @@ from scripts.gpu_check.report import Context, Report, Section, run_sections
 # caps, so that a slow CI machine never fails it for time). exact runs first: it decides whether CUDA graphs may
 # default to on.
 SECTIONS = (
+    Section("roofline", 150, 300, roofline.run, roofline.summarise,
+            "one-row steps against their bytes: transformers' forward, the fused step, the fused step compiled"),
     Section("exact", 150, 300, exact.run, exact.summarise,
             "every strategy = AR token for token (fp32 tiny pairs, graphs on and off), seeded sampling, CUDA tests"),
     Section("fast", 220, 300, fast.run, fast.summarise,

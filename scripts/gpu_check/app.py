@@ -1,15 +1,15 @@
-"""app: the app's model work behind the GPU boundary, driven as the app drives it, and ZeroGPU's process model.
+"""app: the app's serving code on the device, driven as the app drives it, and ZeroGPU's process model.
 
 In this process: treeviz/serving/work.py's generators (decode_events, compare_events, race_events, sweep_events) each
 through a RunSession of the app's Server, as the handlers drive them (Run, Compare, Race, Sweep), on the tiny pair and a
 shape pair loaded by the app's PairManager (capture on for CUDA); every event pickled and read back (what crosses
-ZeroGPU's boundary) and each request's seconds beside its `duration` callable's estimate. Where treeviz cannot be
-imported (the GPU machine has no gradio or plotly), the same work runs through the engine (engine.recipe,
-engine.bench.sweep) and the report says that the treeviz layer was skipped and why.
+ZeroGPU's boundary) and each request's seconds beside its `duration` callable's ask. treeviz/serving imports without
+gradio (the GPU machine has none); if it did not, this section fails and says why.
 
-Then zerogpu.py in a fresh process (CUDA never initialised there): a forked child that alone initialises CUDA.
-Driving app.py itself through gradio_client needs gradio; the report says whether it is installed (the page's tests,
-tests/test_ui*.py, drive it on a CPU).
+Then zerogpu.py in a fresh process (CUDA never initialised there): the same four requests through treeviz/serving, each
+one's work in a forked child that alone initialises CUDA, arguments and events pickled, each `duration` asked checked
+against the measured wall time from the fork to the last event. Driving app.py itself through gradio_client needs
+gradio; the report says whether it is installed (the page's tests, tests/test_ui*.py, drive it on a CPU).
 """
 from __future__ import annotations
 
@@ -22,9 +22,7 @@ import tempfile
 import time
 import traceback
 
-from engine.bench.sweep import run_sweep
-from engine.models import load_pair
-from engine.recipe import RunSpec, generate, split_pair, start_run
+from engine.recipe import RunSpec
 from scripts.gpu_check.report import tail
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
@@ -49,16 +47,15 @@ def run(ctx) -> dict:
     cuda = ctx.device.type == "cuda"
     tokens = 12 if ctx.quick else 24
     runs, why = treeviz_runs()
-    treeviz = (f"skipped: {why}; the same model work ran through the engine, with no duration estimates" if why
-               else "imported: requests ran through treeviz/serving/work.py")
-    result = {"tokens": tokens, "treeviz": treeviz,
+    if runs is None:
+        raise RuntimeError(f"the app's serving code must run here and does not: {why}")
+    result = {"tokens": tokens, "treeviz": "imported: requests ran through treeviz/serving",
               "gradio_client": gradio_client_note(), "pairs": {}}
     pairs = QUICK_PAIRS if ctx.quick else PAIRS
-    drive = drive_treeviz if runs is not None else drive_engine
     for name in pairs:
         spec = RunSpec(pair=name, prompt=PROMPT, strategy="dynatree", max_new_tokens=tokens, stop_on_eos=False)
         try:
-            result["pairs"][name] = drive(runs, spec, ctx.device)
+            result["pairs"][name] = drive_treeviz(runs, spec, ctx.device)
         except Exception as err:  # noqa: BLE001 - recorded; the next pair and the forked requests still run
             result["pairs"][name] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-1500:]}"}
         ctx.checkpoint(result)
@@ -68,7 +65,7 @@ def run(ctx) -> dict:
 
 
 def treeviz_runs():
-    """(treeviz.serving.work, None), or (None, why it cannot be imported: the GPU machine has no gradio)."""
+    """(treeviz.serving.work, None), or (None, why it cannot be imported)."""
     try:
         from treeviz.serving import work as runs
         return runs, None
@@ -89,7 +86,8 @@ def gradio_client_note() -> str:
 # -- in process --------------------------------------------------------------------------------------------------------
 
 def drive_treeviz(runs, spec: RunSpec, device) -> dict:
-    """The pair loaded by the app's PairManager, then each request through a RunSession, as its handler runs it."""
+    """The pair loaded by the app's PairManager, then each request through a RunSession, as its handler runs it (the
+    AR cached for Run and Compare handed over in the ticket), its seconds beside the `duration` it would ask."""
     manager = runs.SERVER.pairs
     manager.capture_mode = "on" if device.type == "cuda" else "off"
     started = time.monotonic()
@@ -98,54 +96,16 @@ def drive_treeviz(runs, spec: RunSpec, device) -> dict:
     for label, args in arguments(spec).items():
         generator, duration, view, good = REQUESTS[label]
         session = runs.SERVER.open("gpu-check", view)
-        estimate = getattr(runs, duration)(*args, session.key)
+        baseline_for = spec if label in ("run", "compare") else None
+        estimate = getattr(runs, duration)(*args, session.ticket(baseline_for))
         started = time.monotonic()
-        events = list(session.events(f"gpu check: {label}", spec.pair, getattr(runs, generator), *args))
-        out[label] = {"seconds": time.monotonic() - started, "duration_estimate_s": estimate,
-                      **check_events(events, good)}
+        events = list(session.events(f"gpu check: {label}", spec.pair, getattr(runs, generator), *args,
+                                     baseline_for=baseline_for))
+        seconds = time.monotonic() - started
+        checked = check_events(events, good)
+        out[label] = {"seconds": seconds, "duration_estimate_s": estimate, **checked,
+                      "ok": checked["ok"] and seconds <= estimate}
     return out
-
-
-def drive_engine(_, spec: RunSpec, device) -> dict:
-    """The same requests' model work through the engine (treeviz not importable here)."""
-    started = time.monotonic()
-    target, draft = split_pair(spec.pair)
-    pair = load_pair(target, draft, device=device, calibrate=True, capture="on" if device.type == "cuda" else "off")
-    generate(pair, spec.warm_up())
-    out = {"load_s": time.monotonic() - started, "pair": pair.describe()}
-    for label, args in arguments(spec).items():
-        started = time.monotonic()
-        events = list(ENGINE_WORK[label](pair, *args))
-        out[label] = {"seconds": time.monotonic() - started, **check_events(events, ("RunResult", "dict"))}
-    return out
-
-
-def engine_run(pair, spec: RunSpec):
-    """decode_events' model work without the app: the run to its end, then AR on the same prompt."""
-    run = start_run(pair, spec)
-    for _ in run:
-        pass
-    yield run.result
-    yield generate(pair, spec.as_method("ar"))
-
-
-def engine_compare(pair, spec: RunSpec, methods: list[str]):
-    for name in ["ar", *methods]:
-        yield generate(pair, spec.as_method(name, spec.params if name == spec.strategy else {}))
-
-
-def engine_race(pair, lanes: list):
-    for _, lane in lanes:
-        generate(pair, lane.warm_up())
-    for _, lane in lanes:
-        yield generate(pair, lane)
-
-
-def engine_sweep(pair, spec: RunSpec, values: list[int]):
-    yield from run_sweep(pair, spec, values)
-
-
-ENGINE_WORK = {"run": engine_run, "compare": engine_compare, "race": engine_race, "sweep": engine_sweep}
 
 
 def check_events(events: list, good: tuple[str, ...]) -> dict:
@@ -183,11 +143,13 @@ def zerogpu(device, pairs: tuple[str, ...], tokens: int, timeout: float) -> dict
 
 
 def request_ok(row: dict, cuda: bool) -> bool:
-    """A forked request: it ended with a result, nothing went wrong, and on CUDA the child alone initialised CUDA."""
+    """A forked request: it ended with a result within the duration it asked for, nothing went wrong, and on CUDA the
+    child alone initialised CUDA."""
     child = row.get("child") or {}
     alone = not row["cuda_initialized_in_parent_before_fork"] and not row["cuda_initialized_in_parent_after"]
-    return (row.get("exitcode") == 0 and "error" not in row and row.get("last_has_result", False) and alone
-            and (child.get("cuda_initialized") is True) == cuda)
+    return (row.get("exitcode") == 0 and "error" not in row and not row.get("failed")
+            and row.get("last_has_result", False) and alone and (child.get("cuda_initialized") is True) == cuda
+            and row["seconds"] <= row["duration_estimate_s"])
 
 
 def passed(result: dict, cuda: bool) -> bool:
@@ -217,11 +179,13 @@ def summarise(result: dict) -> list[str]:
         child = row.get("child") or {}
         capture = sum(s["capture_s"] for s in child.get("steps", {}).values())
         place = child.get("place_s", float("nan"))
-        lines.append(f"- {row['pair']}: {row['seconds']:.1f} s from fork to last event (placing the pair "
-                     f"{place:.1f} s, capture {capture:.1f} s) against a duration estimate of {row.get('duration_estimate_s', 'n/a')} "
-                     f"s; CUDA initialised in the parent: {row['cuda_initialized_in_parent_before_fork']} before, "
+        lines.append(f"- {row['pair']}, {row['request']}: {row['seconds']:.1f} s from fork to last event (placing the "
+                     f"pair {place:.1f} s, capture {capture:.1f} s) against a duration asked of "
+                     f"{row.get('duration_estimate_s', 'n/a')} s; CUDA initialised in the parent: "
+                     f"{row['cuda_initialized_in_parent_before_fork']} before, "
                      f"{row['cuda_initialized_in_parent_after']} after; in the child: {child.get('cuda_initialized')}; "
-                     f"events {', '.join(row['events'])}" + (f"; error: {row['error']}" if row.get("error") else ""))
+                     f"events {', '.join(row['events'])}" + (f"; error: {row['error']}" if row.get("error") else "")
+                     + (f"; failed: {row['failed']}" if row.get("failed") else ""))
     if forked.get("tail"):
         lines += ["```", forked["tail"], "```"]
     return lines

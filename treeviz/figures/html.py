@@ -92,16 +92,20 @@ def token_legend_html() -> str:
     return f"<div class='tv-legend'>{spans}<span style='outline:2px solid #e74c3c'>selected iteration</span></div>"
 
 
-def badge_html(comparison: Comparison | None, sampled: bool = False) -> str:
-    """Does the output equal AR's, and (when the comparison records it) where AR's figure came from."""
+def badge_html(comparison: Comparison | None, sampled: bool = False, dtype: str = "") -> str:
+    """Does the output equal AR's, and (when the comparison records it) where AR's figure came from. `dtype` is the
+    run's (RunConfig.dtype): in bf16 / fp16 a difference is explained as rounding."""
     if not comparison:
         return "<span class='tv-badge tv-na'>output vs AR: not compared</span>"
     source = ar_source_text(comparison)
     note = f" <span class='tv-badge tv-na tv-ar-source'>{html.escape(source)}</span>" if source else ""
-    return output_match_html(comparison, sampled) + note
+    return output_match_html(comparison, sampled, dtype) + note
 
 
-def output_match_html(comparison: Comparison, sampled: bool) -> str:
+def output_match_html(comparison: Comparison, sampled: bool, dtype: str = "") -> str:
+    """The badge's words on the output against AR's. A greedy run that differs in bf16 / fp16 says in one line why:
+    a near-tie rounded apart by kernels of different row counts, not a lossy rule; fp32 is the exact mode. Without
+    it a reader takes a bf16 difference for a bug of the rule."""
     if sampled:
         first = comparison.first_divergence
         where = "identical to AR's sample" if comparison.exact_match else f"differs from AR from token {first}"
@@ -115,8 +119,13 @@ def output_match_html(comparison: Comparison, sampled: bool) -> str:
     margin = comparison.reference_margin
     if margin is not None:
         extra = f"; AR's top-2 logit margin there: {margin:.3f}" + (" (a near-tie)" if margin < 0.5 else "")
+    rounding = ""
+    if dtype in ("bfloat16", "float16"):
+        short = "bf16" if dtype == "bfloat16" else "fp16"
+        rounding = (f"<br><span class='tv-ar-rounding'>{short}: a near-tie rounded apart by kernels of different row "
+                    "counts, not a lossy rule; fp32 is the exact mode</span>")
     return (f"<span class='tv-badge tv-bad'>✗ output differs from AR from token {first}{html.escape(extra)}"
-            "</span>")
+            f"{rounding}</span>")
 
 
 def ar_source_text(comparison: Comparison | None) -> str:

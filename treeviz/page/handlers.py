@@ -26,8 +26,11 @@ from treeviz.page.views import (MEASURING_BADGE, PANEL_NAMES, PENDING_BADGE, RUN
                                 last_index, outputs, render_views, run_summary, save_trace, shown_run, status_html,
                                 streamed_views)
 from treeviz.serving.events import BaselineMeasured, Event, Failed, Finished, Iteration, Progress, Started, Stopped
+from treeviz.serving.gpu import use_page_error
 from treeviz.serving.server import SERVER, PageState
 from treeviz.serving.work import compare_events, decode_events
+
+use_page_error(gr.Error)  # the serving room's errors reach the page as gradio's (the only kind ZeroGPU's worker keeps)
 
 RUN_VIEW_OUTPUTS = RUN_OUTPUTS + PANEL_NAMES
 COMPARE_EXTRA = ("compare_table", "compare_plot", "compare_calibration", "compare_histogram")
@@ -88,7 +91,8 @@ def run(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_new_
                             verifier, params)
     browser = browser_of(request)
     session, view = SERVER.open(browser, "run"), RunView(spec, stage_mode, SERVER.page(browser))
-    for event in session.events(f"starting {spec.strategy} on {spec.pair}…", spec.pair, decode_events, spec):
+    for event in session.events(f"starting {spec.strategy} on {spec.pair}…", spec.pair, decode_events, spec,
+                                baseline_for=spec):
         yield view.update(event)
 
 
@@ -193,7 +197,8 @@ def compare(prompt: str, chat: bool, pair: str, strategy: str, preset: str, max_
         raise gr.Error("Tick at least one strategy to compare with AR.")
     browser = browser_of(request)
     session, view = SERVER.open(browser, "run"), CompareView(stage_mode, SERVER.page(browser))
-    for event in session.events("comparing: measuring AR first…", spec.pair, compare_events, spec, methods):
+    for event in session.events("comparing: measuring AR first…", spec.pair, compare_events, spec, methods,
+                                baseline_for=spec):
         yield view.update(event)
     if view.complete:  # the last value carries the comparison: an API caller reads only the last
         yield view.summary()

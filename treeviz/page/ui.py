@@ -99,7 +99,7 @@ def _inputs(page: Page, initial_pair: str, examples: list[dict]) -> None:
         page.run_btn = gr.Button("Run", variant="primary", elem_id="tv-run")
         page.stop_btn = gr.Button("Stop", variant="stop", elem_id="tv-stop")
         page.compare_btn = gr.Button("Compare", elem_id="tv-compare")
-    pairs = pair_choices()
+    pairs = pair_choices(SERVER.pairs)
     page.pair = gr.Dropdown(pairs if initial_pair in pairs else [initial_pair] + pairs, value=initial_pair,
                             label="Model pair (target + draft)", allow_custom_value=True, elem_id="tv-pair",
                             info="tiny-random plays instantly; hub pairs need network")

@@ -77,7 +77,7 @@ def render_views(run: RunResult | None, ar_run: RunResult | None, index: int | N
 def baseline_views(run: RunResult, ar_run: RunResult | None) -> dict[str, Any]:
     """The views that change when AR's measurement arrives: metrics row, throughput bars, badge, costs."""
     return {"metrics": metrics_html(run, ar_run), "throughput": throughput_figure(run, ar_run),
-            "badge": badge_html(run.comparison, sampled=not run.config.sampling.greedy),
+            "badge": badge_html(run.comparison, sampled=not run.config.sampling.greedy, dtype=run.config.dtype),
             "costs": cost_figure(run, ar_run, gpu_tables.shipped())}
 
 

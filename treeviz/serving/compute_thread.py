@@ -13,9 +13,14 @@ So every model call the app makes runs on this one thread: a run session (treevi
 event of its model work in turn, `call(next, work)`, exactly as if the handler stepped the work itself: the decoder
 still pauses while the handler draws the event, and a `with` block in the work (inference mode, say, which is per
 thread) opens and closes on one thread.
+
+Each call runs in a copy of its caller's context (contextvars): the request a Gradio handler runs for is a context
+variable (gradio's LocalContext.request), and ZeroGPU's `spaces.GPU` reads it when the work first runs, to charge the
+visitor's own quota; without the copy this thread's empty context would make every run the Space's.
 """
 from __future__ import annotations
 
+import contextvars
 import os
 import queue
 import threading
@@ -35,12 +40,12 @@ class ComputeThread:
         self._start_lock = threading.Lock()
 
     def call(self, fn: Callable, *args: Any) -> Any:
-        """fn(*args) on this thread, waited for; its exception is raised here. From this thread itself it just
-        calls fn (a job waiting for its own thread would wait forever)."""
+        """fn(*args) on this thread in a copy of the caller's context, waited for; its exception is raised here.
+        From this thread itself it just calls fn (a job waiting for its own thread would wait forever)."""
         if threading.current_thread() is self._thread:
             return fn(*args)
         done: Future = Future()
-        self._queue().put((done, fn, args))
+        self._queue().put((done, contextvars.copy_context().run, (fn, *args)))
         return done.result()
 
     @property

@@ -63,4 +63,14 @@ class Failed:
     message: str                       # one plain sentence; the traceback went to the log
 
 
+@dataclass(frozen=True)
+class ARMeasured:
+    """AR measured by the work, `key` its ARCache key: the session keeps it in this process's AR cache and passes it
+    to no handler (a ZeroGPU worker's cache is a copy that dies with the worker, so the result travels back here)."""
+    key: tuple
+    result: RunResult
+    measured_at: float                 # time.time() when AR finished
+
+
 Event = Started | Progress | Iteration | Finished | BaselineMeasured | Raced | Swept | Stopped | Failed
+WorkEvent = Event | ARMeasured         # what the model work yields; the session keeps ARMeasured to itself

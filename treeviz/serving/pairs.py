@@ -1,5 +1,10 @@
-"""The model pair: at most one loaded at a time, loaded in a background thread (on CPU), with the lock that
-serialises decoding on it. Pair names are engine.recipe's (`split_pair`); the hub presets are the app's."""
+"""The model pair: one serving at a time, loaded in a background thread (on CPU), with the lock that serialises
+decoding on it. Pair names are engine.recipe's (`split_pair`); the hub presets are the app's.
+
+A pair that fails to load never costs the one serving: the old pair serves until the new one is ready (both are in
+memory meanwhile). On ZeroGPU only the pairs loaded on the main thread at start serve (`pin`): CUDA is emulated for
+that thread alone there, so a pair loaded later, on another thread, could not work, and asking for one is refused in
+words. The pair serving is one attribute (`held`), so a forked worker reads it without a lock."""
 from __future__ import annotations
 
 import atexit
@@ -40,7 +45,10 @@ def memory_ceiling() -> int:
     return int(float(os.environ.get("TREEVIZ_MEMORY_GIB", MEMORY_CEILING_GIB)) * 2**30)
 
 
-def pair_choices() -> list[str]:
+def pair_choices(manager: "PairManager | None" = None) -> list[str]:
+    """The pairs the page offers: on ZeroGPU (`manager` pinned) only those loaded at start; else every known pair."""
+    if manager is not None and manager.pinned is not None:
+        return list(manager.pinned)
     return list(PAIRS) + [p for p in HUB_PRESETS if p not in PAIRS]
 
 
@@ -64,15 +72,22 @@ class PairStatus:
     capture: str                         # what the captured steps are doing ("": nothing)
 
 
+@dataclass(frozen=True)
+class Serving:
+    """The pair serving now and its name, replaced whole (one attribute write: a fork sees all of it or none)."""
+    name: str
+    pair: object
+
+
 class PairManager:
-    """Holds at most one loaded pair; loads in a background thread; `run_lock` serialises decoding on it."""
+    """Holds the pair serving (`held`); loads in a background thread; `run_lock` serialises decoding on it."""
 
     def __init__(self, capture: str | None = None):
         # captured steps (engine/capture/packages.py): auto | on | off; TREEVIZ_CAPTURE or app.py --capture sets it
         self.capture_mode = capture or os.environ.get("TREEVIZ_CAPTURE", "auto")
         self.name: str | None = None       # the pair requested last
-        self.pair = None                   # loaded ModelPair for self.loaded_name
-        self.loaded_name: str | None = None
+        self.serving: Serving | None = None
+        self.pinned: tuple[str, ...] | None = None  # on ZeroGPU: the pairs loaded at start, the only ones served
         self.loading = False
         self.progress = (0.0, "")
         self.error: str | None = None
@@ -83,11 +98,45 @@ class PairManager:
         self._generation = 0
         self._inflight: dict[str, int] = {}  # pair name -> generation of its load still running
 
-    def request(self, name: str, device: str = "auto") -> None:
-        """Start loading `name` (no-op if it is loaded or loading). Loads never hold the run lock while loading, so
-        a quick pair (tiny-random) can be used while a slow one is still loading."""
+    @property
+    def pair(self):
+        """The ModelPair serving now (None: none)."""
+        serving = self.serving
+        return None if serving is None else serving.pair
+
+    @property
+    def loaded_name(self) -> str | None:
+        serving = self.serving
+        return None if serving is None else serving.name
+
+    @loaded_name.setter
+    def loaded_name(self, name: str) -> None:
+        """Serve the loaded pair under another name (tests, tools)."""
+        self.serving = Serving(name, self.pair)
+
+    def held(self, name: str):
+        """The pair serving as `name`, or None; reads one attribute, no lock (safe in a forked worker)."""
+        serving = self.serving
+        return serving.pair if serving is not None and serving.name == name else None
+
+    def pin(self) -> None:
+        """Serve only the pair loaded now (ZeroGPU, after loading at start on the main thread): others are refused."""
         with self._cond:
-            if name == self.name and (self.loading or self.pair is not None) and not self.error:
+            self.pinned = (self.loaded_name,) if self.loaded_name is not None else ()
+
+    def request(self, name: str, device: str = "auto") -> None:
+        """Start loading `name` (no-op if it is loaded or loading; going back to the pair serving lets a load of
+        another go). UserError, in words, for a pair not pinned (ZeroGPU). Loads never hold the run lock, so a
+        quick pair (tiny-random) can be used while a slow one is still loading."""
+        with self._cond:
+            self._refuse_unpinned(name)
+            if self.loaded_name == name:
+                if self.name != name or self.loading:  # back to the pair serving: the other load's result is let go
+                    self.name, self.loading, self.error, self.progress = name, False, None, (1.0, "ready")
+                    self._generation += 1
+                    self._cond.notify_all()
+                return
+            if name == self.name and self.loading and not self.error:
                 return
             self.name, self.error, self.loading = name, None, True
             if name in self._inflight:  # a load of this pair is still running: follow it
@@ -98,8 +147,18 @@ class PairManager:
             gen = self._inflight[name] = self._generation
         threading.Thread(target=self.load, args=(name, gen, device), daemon=True, name=f"load-{name}").start()
 
+    def _refuse_unpinned(self, name: str) -> None:
+        if self.pinned is not None and name not in self.pinned:
+            if not self.pinned:
+                raise UserError(f"this Space could not load its model pair at start ({self.error}), and on ZeroGPU "
+                                f"no pair can be loaded while it runs")
+            served = ", ".join(self.pinned)
+            raise UserError(f"this Space serves only the model pair it loaded at start ({served}): on ZeroGPU a pair "
+                            f"cannot be loaded while it runs. Choose {served}, or run the app locally for {name}.")
+
     def load(self, name: str, gen: int | None = None, device: str = "auto") -> None:
-        """Load `name` in this thread (a background thread from `request`, or at import time on ZeroGPU)."""
+        """Load `name` in this thread (a background thread from `request`, or at import time on ZeroGPU). On failure
+        the pair serving before serves on, and `error` says why the new one did not load."""
         if gen is None:
             with self._cond:
                 self.name, self.loading, self.error = name, True, None
@@ -125,9 +184,6 @@ class PairManager:
                     self.progress = (max(0.0, min(1.0, float(fraction or 0.0))), str(message or ""))
 
         target, draft = split_pair(name)
-        with self.run_lock, self._cond:  # one pair in memory at a time: drop the old one once no run uses it
-            if gen == self._generation:
-                self.pair, self.loaded_name, self.capture = None, None, ""
         # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration, no warm-up, no capture there.
         zero_gpu = on_zero_gpu()
         # Every choice below is this machine's, measured (engine/measure/formats.py, costs.py): draft_quant="auto"
@@ -148,8 +204,8 @@ class PairManager:
         with self._cond:
             if gen != self._generation:
                 return  # superseded by another pair while loading: let it go
-            self.pair, self.loaded_name, self.description = pair, name, pair.describe()
-            self.loading, self.progress = False, (1.0, "ready")
+            self.serving, self.description, self.capture = Serving(name, pair), pair.describe(), ""
+            self.loading, self.progress = False, (1.0, "ready")  # the old pair goes once no run holds it
             self._cond.notify_all()
         if todo:
             threading.Thread(target=self.build_captured, args=(name, gen, pair, target, draft, todo), daemon=True,

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.recipe import RunSpec
-from treeviz.serving.ar_cache import ARCache
+from treeviz.serving.ar_cache import ARCache, Baseline
 from treeviz.serving.errors import UserError
 from treeviz.serving.pairs import PairManager
 from treeviz.serving.session import RunSession
@@ -49,8 +49,8 @@ class Server:
         return session
 
     def session_of(self, key: str) -> RunSession:
-        """The running session `key`; an unregistered one (nothing can stop it) if none runs, as in a ZeroGPU worker
-        forked before the request began."""
+        """The running session `key`, or a new unregistered one if none runs (the work never calls this: it gets a
+        Ticket, which needs no lock)."""
         with self._lock:
             return self._sessions.get(key) or RunSession(self, key)
 
@@ -85,14 +85,26 @@ class Server:
             return state
 
     def loaded_pair(self, spec: RunSpec, button: str):
-        pair = self.pairs.ready(spec.pair, timeout=0)
+        """The loaded pair for `spec`, read without a lock (the work calls it, in a forked worker on ZeroGPU);
+        UserError naming `button` if it is not the one loaded."""
+        pair = self.pairs.held(spec.pair)
         if pair is None:
             raise UserError(f"the model pair is not loaded yet: press {button} again")
         return pair
 
-    def ar_key(self, pair, spec: RunSpec) -> tuple:
+    @staticmethod
+    def ar_key(pair, spec: RunSpec) -> tuple:
+        """The AR cache's key for `spec` on `pair` (loaded as `spec.pair`), with how AR's forwards run there."""
         steps = pair.describe_capture() if pair.capture_ready and spec.capture != "off" else "eager"
-        return ARCache.key(self.pairs.loaded_name, pair.dtype, spec, steps)
+        return ARCache.key(spec.pair, pair.dtype, spec, steps)
+
+    def cached_baseline(self, spec: RunSpec) -> tuple[tuple | None, Baseline | None]:
+        """(AR key, the AR cached under it) for `spec` on its loaded pair; (None, None) if that pair is not loaded."""
+        pair = self.pairs.held(spec.pair)
+        if pair is None:
+            return None, None
+        key = self.ar_key(pair, spec)
+        return key, self.ar_cache.baseline(key)
 
 
 SERVER = Server()  # one per process

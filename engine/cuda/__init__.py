@@ -1,0 +1,10 @@
+"""The CUDA room: what makes a forward fast on a GPU, kept apart from the algorithm it serves.
+
+    fused.py     one decoder forward with Q/K/V and gate/up fused into one GEMM each (made once at load, the
+                 model's own weights become views of them), grouped-query attention over the static cache without
+                 repeating key/value heads, and the layer compiled by inductor where torch.compile may run.
+
+The decoder and the drafter never import this room: engine/core/steps.py's StaticSteps runs whatever forward is
+installed on a model (`fused.installed`), replayed through a CUDA graph per bucket (engine/core/cuda_graphs.py). The
+eager transformers forward stays the reference it is tested against (tests/test_fused.py).
+"""
