@@ -138,4 +138,4 @@ def test_the_docs_list_every_section_with_its_budget():
     page = (ROOT / "docs" / "gpu.md").read_text()
     for section in SECTIONS:
         assert f"| {section.name} | {section.budget_s:.0f} s |" in page, f"docs/gpu.md: {section.name}'s budget"
-    assert "--budget-s 480" in page and "timeout_s` 540" in page
+    assert "--budget-s 500" in page and "timeout_s` 560" in page

@@ -461,10 +461,10 @@ def test_a_run_reaches_the_decoder_through_at_most_four_generator_frames(monkeyp
     request = SimpleNamespace(session_hash="frames-test")
     list(handlers.run("def frames(n):\n", False, "tiny-random", "linear", "cpu", 6, 0.0, 1.0, 0, 0, "auto", {},
                       "per iteration", request))
-    assert seen["linear"] == ["events", "run", "decode_events"], seen
+    assert seen["linear"] == ["events", "run", "decode_events", "bounded"], seen
     list(handlers.compare("def frames_compared(n):\n", False, "tiny-random", "linear", "cpu", 6, 0.0, 1.0, 0, 0,
                           "auto", {}, ["fixed"], "per iteration", request))
-    assert seen["ar"] == ["events", "compare", "compare_events"], seen  # AR measured first
+    assert seen["ar"] == ["events", "compare", "compare_events", "bounded"], seen  # AR measured first
     assert all(len(frames) <= 4 for frames in seen.values())
 
 

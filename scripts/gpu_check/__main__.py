@@ -22,16 +22,16 @@ from scripts.gpu_check.report import Context, Report, Section, run_sections
 # caps, so that a slow CI machine never fails it for time). exact runs first: it decides whether CUDA graphs may
 # default to on.
 SECTIONS = (
-    Section("roofline", 150, 300, roofline.run, roofline.summarise,
+    Section("roofline", 150, 400, roofline.run, roofline.summarise,
             "one-row steps against their bytes: transformers' forward, the fused step, the fused step compiled"),
-    Section("exact", 150, 300, exact.run, exact.summarise,
+    Section("exact", 110, 300, exact.run, exact.summarise,
             "every strategy = AR token for token (fp32 tiny pairs, graphs on and off), seeded sampling, CUDA tests"),
-    Section("fast", 220, 300, fast.run, fast.summarise,
+    Section("fast", 160, 300, fast.run, fast.summarise,
             "real-shape cost tables eager and graphed, capture, replay vs kernels, host time, DynaTree vs AR"),
-    Section("app", 100, 300, app.run, app.summarise,
+    Section("app", 80, 300, app.run, app.summarise,
             "the run generators behind the GPU boundary; ZeroGPU's fork: CUDA, capture and pickling in the child"),
 )
-BUDGET_S = {"cuda": 480.0, "cpu": 1800.0}  # the whole run's default wall-time budget per device
+BUDGET_S = {"cuda": 500.0, "cpu": 1800.0}  # the whole run's default wall-time budget per device
 
 
 def parse(argv) -> argparse.Namespace:

@@ -137,7 +137,13 @@ class RunSession:
             yield from self._wait_for_pair(pair_name)
             yield from self._take_lock()
             try:
-                yield from self._step(work(*args, self.ticket(baseline_for)))
+                work_events = work(*args, self.ticket(baseline_for))
+                try:  # the loop sits here, not in a generator of its own: one frame fewer on every run's path
+                    while (event := self._next(work_events)) is not _END:
+                        yield event
+                finally:  # however this ends: the ticket stopped first (a worker between two yields stops at its
+                    STOPS.stop(self.slot, self.serial)  # next check, which closing the work waits for), then closed
+                    COMPUTE.call(work_events.close)
             finally:
                 self.server.pairs.run_lock.release()
         except Exception as err:  # noqa: BLE001 - every error becomes one plain line, the traceback goes to the log
@@ -149,25 +155,19 @@ class RunSession:
             STOPS.stop(self.slot, self.serial)  # a worker still running on this ticket stops at its next check
             self.server.close(self)
 
-    def _step(self, work_events: Iterator) -> Iterator[Event]:
-        """The work's events, each asked for on the compute thread (in this thread's context: the request's), AR
-        measurements kept in this process's cache; Cancelled once the flag is up, also when the work ended early
-        because it saw the flag. However this ends, the ticket is stopped first (a worker between two yields stops at
-        its next check: closing the work waits for that) and the work is closed on the compute thread."""
-        try:
-            while True:
+    def _next(self, work_events: Iterator) -> Event | object:
+        """The work's next event, asked for on the compute thread (in this thread's context: the request's), AR
+        measurements kept in this process's cache on the way; _END when it ends; Cancelled once the flag is up, also
+        when the work ended early because it saw the flag."""
+        self.check()
+        while True:
+            event = COMPUTE.call(next, work_events, _END)
+            if event is _END:
                 self.check()
-                event = COMPUTE.call(next, work_events, _END)
-                if event is _END:
-                    self.check()
-                    return
-                if isinstance(event, ARMeasured):
-                    self.server.ar_cache.put(event.key, event.result, event.measured_at)
-                    continue
-                yield event
-        finally:
-            STOPS.stop(self.slot, self.serial)
-            COMPUTE.call(work_events.close)
+                return _END
+            if not isinstance(event, ARMeasured):
+                return event
+            self.server.ar_cache.put(event.key, event.result, event.measured_at)
 
     def _wait_for_pair(self, name: str) -> Iterator[Progress]:
         """Loading progress until the pair is ready or the flag is up; UserError if it fails to load."""
