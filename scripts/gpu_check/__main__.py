@@ -45,6 +45,8 @@ def parse(argv) -> argparse.Namespace:
                         "1800 on cpu)")
     parser.add_argument("--pairs", default="", help="fast: TARGET/DRAFT model specs instead of its list, e.g. "
                         "shape:qwen2.5-7b/shape:qwen2.5-0.5b (comma-separated; tried whatever time is left)")
+    parser.add_argument("--models", default="", help="roofline: model shapes instead of its list (comma-separated)")
+    parser.add_argument("--aot-only", action="store_true", help="roofline: only the ahead-of-time packages")
     args = parser.parse_args(argv)
     names = [s for s in args.sections.split(",") if s]
     unknown = set(names) - {s.name for s in SECTIONS}
@@ -88,7 +90,8 @@ def check(args: argparse.Namespace) -> int:
     report.save()
 
     def context(name: str, deadline: float) -> Context:
-        return Context(device, args.quick, args.out, deadline, report, name, {"pairs": args.pairs})
+        return Context(device, args.quick, args.out, deadline, report, name, {"pairs": args.pairs, "models": tuple(m for m in args.models.split(",") if m),
+                                                                  "aot_only": args.aot_only})
 
     statuses = run_sections(report, args.sections, args.budget_s, context)
     report.data["verdict"] = verdict(statuses, device)

@@ -42,9 +42,11 @@ def run(ctx) -> dict:
     result = {"dtype": "bfloat16" if cuda else "float32", "prefix": PREFIX, "models": {}, "skipped": {}}
     result["bandwidth"] = copy_bandwidth(ctx.device, ctx.report.data["device"].get("name", ""))
     ctx.checkpoint(result)
-    names = QUICK_MODELS if ctx.quick else MODELS
+    names = ctx.options.get("models") or (QUICK_MODELS if ctx.quick else MODELS)
     # every model three ways first, then the ahead-of-time packages (their build is the longest part)
-    for name, ways in [(n, WAYS[:3]) for n in names] + [(n, WAYS[3:]) for n in names if n in AOT_MODELS]:
+    aot_names = [n for n in names if n in AOT_MODELS]
+    ways_first = () if ctx.options.get("aot_only") else WAYS[:3]
+    for name, ways in [(n, ways_first) for n in names if ways_first] + [(n, WAYS[3:]) for n in aot_names]:
         if ctx.left() < 25:
             result["skipped"][f"{name} {', '.join(ways)}"] = f"{ctx.left():.0f} s left in the section"
             continue
@@ -107,6 +109,12 @@ def one_model(ctx, name: str, ways: tuple[str, ...], result: dict) -> dict:
             out["ways"][way] = {"skipped": f"{ctx.left():.0f} s left"}
             continue
         try:
+            if way == "fused-aot":
+                probe = out["ways"][way] = ahead_of_time_probe(ctx, name)
+                if "wall_ms" in probe:
+                    probe.update(bandwidth_of(out["step_mb"] * 1e6, probe["wall_ms"] / 1e3, result["bandwidth"]),
+                                 setup_s=probe.get("capture_s", 0.0))
+                continue
             out["ways"][way] = one_way(ctx, model, way, out["step_mb"] * 1e6, layers, result["bandwidth"])
         except Exception as err:  # noqa: BLE001 - recorded; the next way runs
             out["ways"][way] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-1500:]}
@@ -120,9 +128,7 @@ def one_way(ctx, model, way: str, step_bytes_: float, layers: int, bandwidth: di
     fused.uninstall(model)
     out = {}
     if way != "transformers":
-        step = fused.install(model, compiled=way == "fused-compiled")
-        if way == "fused-aot":
-            out.update(ahead_of_time(step))
+        fused.install(model, compiled=way == "fused-compiled")
     started = time.monotonic()
     steps = StaticSteps(model, graph_capacity(PREFIX + 64), (1,), graphs=cuda)  # a compiled layer compiles here
     out["setup_s"] = time.monotonic() - started
@@ -137,28 +143,50 @@ def one_way(ctx, model, way: str, step_bytes_: float, layers: int, bandwidth: di
         out["compile_error"] = step.compile_error
     if kernels.get("kernels"):
         out["kernels_per_layer"] = kernels["kernels"] / layers
-    out["gbps"] = step_bytes_ / wall / 1e9
-    out["of_measured"] = out["gbps"] / bandwidth["measured_gbps"]
-    if bandwidth.get("nominal_gbps"):
-        out["of_nominal"] = out["gbps"] / bandwidth["nominal_gbps"]
+    out.update(bandwidth_of(step_bytes_, wall, bandwidth))
     if steps.graphs is not None:
         steps.graphs.release()
     return out
 
 
-def ahead_of_time(step) -> dict:
-    """Build the layer's AOTInductor packages (engine/cuda/aot.py) into a fresh folder, then load them: ZeroGPU's
-    start-up GPU call and each worker's load, in seconds."""
+def ahead_of_time_probe(ctx, name: str) -> dict:
+    """scripts/gpu_check/aot_probe.py on `name` in a process of its own (a crash in the compiler or the loader ends
+    that process only): its numbers, or how far it got, its return code and its output's tail."""
+    import json
+    import subprocess
+    import sys
     import tempfile
     from pathlib import Path
 
-    from engine.cuda import aot
-    with tempfile.TemporaryDirectory(prefix="treeviz-aot-check-") as folder:
-        started = time.monotonic()
-        built = aot.build(step, Path(folder))
-        build_s = time.monotonic() - started
-        load_s = aot.load(step, Path(folder))
-    return {"build_s": build_s, "packages": len(built), "load_s": load_s}
+    with tempfile.TemporaryDirectory(prefix="treeviz-aot-") as folder:
+        file = Path(folder) / "aot.json"
+        command = [sys.executable, "-m", "scripts.gpu_check.aot_probe", "--model", name, "--device",
+                   ctx.device.type, "--json", str(file)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=max(ctx.left() - 5, 30))
+        except subprocess.TimeoutExpired as err:
+            return {"error": "timed out", "stages": _stages(err.stdout or "")}
+        out = json.loads(file.read_text()) if file.exists() else {}
+        out.update(returncode=done.returncode, stages=_stages(done.stdout))
+        if done.returncode != 0:
+            out["error"] = f"exit {done.returncode}"
+            out["tail"] = (done.stdout + done.stderr)[-1500:]
+        return out
+
+
+def _stages(text) -> list[str]:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return [line[6:] for line in text.splitlines() if line.startswith("[aot] ")]
+
+
+def bandwidth_of(step_bytes_: float, wall_s: float, bandwidth: dict) -> dict:
+    """GB/s of a step that reads `step_bytes_` in `wall_s`, and its fraction of the measured and nominal bandwidth."""
+    gbps = step_bytes_ / wall_s / 1e9
+    out = {"gbps": gbps, "of_measured": gbps / bandwidth["measured_gbps"]}
+    if bandwidth.get("nominal_gbps"):
+        out["of_nominal"] = gbps / bandwidth["nominal_gbps"]
+    return out
 
 
 def count_kernels(steps, ids: list[int]) -> dict:
@@ -188,15 +216,17 @@ def summarise(result: dict) -> list[str]:
         for way, w in m["ways"].items():
             if "wall_ms" not in w:
                 lines.append(f"| {name} | {way}: {w.get('error', w.get('skipped', ''))[:80]} | | | | | | | |")
+                if w.get("stages") is not None:
+                    notes.append(f"- {name}, {way}: reached {w['stages'] or 'no stage'}; {w.get('tail', '')[-300:]}")
                 continue
             lines.append(f"| {name} ({m['step_mb']:.0f} MB) | {way} | {w['wall_ms']:.3f} | "
                          f"{w.get('kernels_per_layer', float('nan')):.1f} | {w.get('kernel_ms', float('nan')):.3f} | "
                          f"{w['gbps']:.0f} | {w['of_measured']:.0%} | {w.get('of_nominal', float('nan')):.0%} | "
                          f"{w['setup_s']:.1f} |")
             if "build_s" in w:
-                notes.append(f"- {name}, ahead of time: {w['packages']} packages built in {w['build_s']:.1f} s, loaded "
-                             f"in {w['load_s']:.2f} s; graph capture {w['setup_s']:.1f} s; first one-row forward "
-                             f"{w['first_ms']:.2f} ms, then {w['wall_ms']:.3f} ms")
+                notes.append(f"- {name}, ahead of time (its own process): 2 packages built in {w['build_s']:.1f} s, "
+                             f"loaded in {w['load_s']:.2f} s; graph capture {w.get('capture_s', 0):.1f} s; first "
+                             f"one-row forward {w['first_ms']:.2f} ms, then {w['wall_ms']:.3f} ms")
             if w.get("compile_error"):
                 notes.append(f"- {name}, {way}: compile failed, ran eager: {w['compile_error'][:200]}")
     lines += [""] + notes if notes else []
