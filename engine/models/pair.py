@@ -214,13 +214,14 @@ def check_same_vocab(target: PreTrainedModel, target_tok: PreTrainedTokenizerBas
 def install_fused_steps(pair: ModelPair) -> dict[str, str]:
     """On a graphed (CUDA) pair, give each model the fused step (engine/cuda/fused.py: fused projections, the layer
     compiled where torch.compile may run), which its static steps then run and graph; a model of a family it does not
-    cover keeps transformers' forward. TREEVIZ_CUDA_FUSED=0 keeps transformers' forward everywhere (the reference).
+    cover keeps transformers' forward, and so does a ZeroGPU Space (no torch.compile there; its ahead-of-time
+    packages are not loadable yet: docs/gpu.md). TREEVIZ_CUDA_FUSED=0 keeps transformers' forward everywhere.
     Returns, and records in capture_info["fused"], role -> "compiled", "eager" or why not."""
     import os
 
     from engine.cuda import fused
-    if not pair.graphs or os.environ.get("TREEVIZ_CUDA_FUSED", "1") == "0":
-        return {}
+    if not pair.graphs or os.environ.get("TREEVIZ_CUDA_FUSED", "1") == "0" or fused.zero_gpu():
+        return {}  # on ZeroGPU uncompiled fusion saves ~3 % (docs/gpu.md) and would concatenate emulated CUDA weights
     done = {}
     for role, model, _ in pair.models():
         reason = fused.unsupported(model)

@@ -79,6 +79,11 @@ class Serving:
     pair: object
 
 
+def zero_gpu_capture(device: str) -> str:
+    """On ZeroGPU: graphs for a pair placed on `cuda` (captured in each worker), nothing for one kept on the CPU."""
+    return "on" if str(device).startswith("cuda") else "off"
+
+
 class PairManager:
     """Holds the pair serving (`held`); loads in a background thread; `run_lock` serialises decoding on it."""
 
@@ -184,7 +189,9 @@ class PairManager:
                     self.progress = (max(0.0, min(1.0, float(fraction or 0.0))), str(message or ""))
 
         target, draft = split_pair(name)
-        # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration, no warm-up, no capture there.
+        # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration and no warm-up here; CUDA graphs
+        # are captured inside each worker at its run's first forwards (0.1-0.2 s per model on an H200, where a graphed
+        # one-row step is 5-10x cheaper than an eager one: docs/experiments/gpu-2026-11-27/), so they pay every request.
         zero_gpu = on_zero_gpu()
         # Every choice below is this machine's, measured (engine/measure/formats.py, costs.py): draft_quant="auto"
         # offers the draft's quantised formats, kept where the probe finds them faster; draft_vocab="auto" trims the
@@ -192,7 +199,7 @@ class PairManager:
         # capture="auto": on a CPU, each model's forwards compiled ahead of time (engine/capture/packages.py), once per
         # machine; until they exist, runs decode eagerly and the packages are built in another process.
         pair = load_pair(target, draft, device=device, progress=progress, calibrate=not zero_gpu,
-                         draft_quant="auto", draft_vocab="auto", capture="off" if zero_gpu else self.capture_mode)
+                         draft_quant="auto", draft_vocab="auto", capture=zero_gpu_capture(device) if zero_gpu else self.capture_mode)
         todo = missing(pair)
         if pair.capture == "aoti" and not todo:  # built on an earlier start: load them now, before any run
             progress(1.0, "loading the captured steps (compiled on an earlier start)…")
