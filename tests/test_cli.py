@@ -123,7 +123,7 @@ def test_compile_probe_times_a_compiled_tree_forward_that_equals_the_eager_one(t
     import sys
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "probe.json"
-    proc = subprocess.run([sys.executable, "-m", "scripts.compile_probe", "--pair", "tiny-random",
+    proc = subprocess.run([sys.executable, "-m", "scripts.lab.compile_probe", "--pair", "tiny-random",
                            "--dtype", "fp32", "--rows", "3", "--prefix", "16", "--repeats", "1", "--mode", "default",
                            "--variants", "shipped:64,sdpa:384",
                            "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=root)
@@ -205,7 +205,7 @@ def test_compile_probe_refuses_variants_that_would_share_a_graph():
     import subprocess
     import sys
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-m", "scripts.compile_probe", "--pair", "tiny-random",
+    proc = subprocess.run([sys.executable, "-m", "scripts.lab.compile_probe", "--pair", "tiny-random",
                            "--variants", "shipped:384,sdpa:384"], capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode != 0 and "its own cache length" in proc.stderr
 

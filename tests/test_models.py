@@ -237,8 +237,18 @@ def test_resolve_dtype_auto_on_cuda(monkeypatch):
 
 
 def test_cpu_bf16_detection_reads_cpuinfo(monkeypatch):
+    """The flags, ATen's ISA and oneDNN's bf16 GEMMs all decide: each is stood in, so the answer is this logic's, not
+    the CPU's that runs the test (a real AVX2-only machine failed the version that stood in the flags alone)."""
+    monkeypatch.setattr(devices, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(devices, "onednn_bf16", lambda: True)
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "flags : fpu sse2 avx512f amx_bf16 amx_tile\n")
     assert devices.cpu_has_fast_bf16()
+    monkeypatch.setattr(devices, "cpu_capability", lambda: "AVX2")  # ATen lowered to AVX2 (an emulated AVX2 CPU)
+    assert not devices.cpu_has_fast_bf16()
+    monkeypatch.setattr(devices, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(devices, "onednn_bf16", lambda: False)  # oneDNN without bf16 GEMMs
+    assert not devices.cpu_has_fast_bf16()
+    monkeypatch.setattr(devices, "onednn_bf16", lambda: True)
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "flags : fpu sse2 avx512f avx512_vnni\n")
     assert not devices.cpu_has_fast_bf16()
 

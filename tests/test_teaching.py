@@ -1,4 +1,4 @@
-"""The teaching pieces (issue 22): the race's timeline, one iteration step by step, the size sweep, the acceptance
+"""The teaching pieces (docs/teaching.md): the race's timeline, one iteration step by step, the size sweep, the acceptance
 histogram, entropy sizing and the standalone HTML export. Tiny random pair, a few tokens; gallery traces with no
 model loaded."""
 from __future__ import annotations

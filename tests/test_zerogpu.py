@@ -7,10 +7,10 @@ spaces.zero.torch, spaces' GPU layer, cannot even be imported over a CPU build o
 `torch.version.cuda`, None there), so the stand-in GPU replaces that module as a whole before the wrapper imports it;
 everything else of the wrapper runs as on a Space.
 
-It shows issue 46's items: the visitor's request reaches the scheduler; errors keep their words; Stop frees the GPU
-within 2 s in Run, Compare, Race and Sweep; a worker forked while other threads hold the app's locks runs; a pair not
-loaded at start is refused and the working one kept; the AR measured in a worker fills the main process's cache; and
-each `duration` asked is the work's own estimate."""
+It shows what a Space needs of the app (docs/app.md, the ZeroGPU section): the visitor's request reaches the
+scheduler; errors keep their words; Stop frees the GPU within 2 s in Run, Compare, Race and Sweep; a worker forked
+while other threads hold the app's locks runs; a pair not loaded at start is refused and the working one kept; the AR
+measured in a worker fills the main process's cache; and each `duration` asked is the work's own estimate."""
 from __future__ import annotations
 
 import html

@@ -23,10 +23,6 @@ RANGE_OVER_PRESET = 4    # the default range reaches 4× the preset's own size
 CACHE_SIZE = 16
 
 
-class SweepCancelled(Exception):
-    """The caller's cancel callable said stop (the UI's Stop button)."""
-
-
 def size_param(strategy: str):
     """The strategy's size knob as a Param; ValueError for an unknown strategy or one without a knob."""
     if strategy not in STRATEGIES:

@@ -19,7 +19,7 @@ The cost of it:
     keeps one more packed copy of the target's weights per cache size;
   * attention runs as SDPA's math backend with grouped-query heads (`enable_gqa`), which inductor fuses into its own
     kernels; transformers' default (its key/value heads repeated under a mask, then oneDNN's fused CPU attention)
-    made the step slower on the project's CPU (scripts/compile_probe.py --variants);
+    made the step slower on the project's CPU (scripts/lab/compile_probe.py --variants);
   * the prefill runs eagerly (its length changes per prompt; compiling it would recompile per length).
 """
 from __future__ import annotations

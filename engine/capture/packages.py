@@ -6,7 +6,7 @@
 The switch (`capture`: auto | on | off) belongs to the pair:
   CPU   packages compiled ahead of time by AOTInductor (engine/capture/aoti.py), where a C++ compiler exists;
   CUDA  one CUDA graph per row-count bucket (engine/core/cuda_graphs.py), with `auto` too: on an H100 every strategy
-        decoded the same tokens graphed and eager, and AR's (docs/gpu.md, the GPU check of 2026-11-26).
+        decoded the same tokens graphed and eager, and AR's (docs/experiments/gpu-2026-11-26/summary.md).
 
 What each CPU model gets (`plan`): per span of row counts its routing sends to one weight format, a package for that
 span -- static for one row (AR's step, and the draft's most frequent forward), the row count dynamic for the rest

@@ -2,17 +2,23 @@
 
   tree.py         one iteration's draft tree (node 0 = the root)
   drafter.py      batched draft expansion: one draft forward per batch of frontier nodes, under a tree mask
-  steps.py        each model's forwards and KV cache: dynamic, or static with row-count buckets served by captured
-                  steps (CUDA graphs in cuda_graphs.py, AOTInductor packages from engine/capture/)
+  steps.py        each model's forwards and KV cache: dynamic (the eager reference), or static with row-count
+                  buckets, running whatever forward the device installed (transformers' own, engine/cuda's fused
+                  step) eagerly, replayed from a CUDA graph (cuda_graphs.py) or as a CPU package (engine/capture/):
+                  the one seam between the algorithm and a device's speed machinery
+  cuda_graphs.py  one CUDA graph per row-count bucket, captured and replayed
   kv.py           additive tree masks and cache row copies
   attention.py    tree_sdpa: grouped-query attention folded into rows, registered with transformers
-  kernels.py      CPU kernel paths per linear layer (plain, packed, int8, int4) and their routing by row count
+  kernels.py      CPU kernel paths per linear layer (plain, mkl, packed, int8, int4, dyn8), routed by row count
   lookup.py       context-lookup drafts (no draft model): n-gram matches in the prompt and output
+  reports.py      what a strategy reports beside its tree, typed (LookupReport, SelectorChoice)
   trace.py        IterationRecord, IterationCost, RunResult and its RunMetrics, RunConfig, Comparison, TokenSource,
                   StageTimes: the plain JSON-able records a run yields
   sampling.py     sampling settings and the processed distributions
   prompts.py      the shipped prompt sets and prompt encoding
   runtime.py      device synchronisation and the cache folder
 
-May import: torch, transformers, numpy; nothing else of the engine (pyproject.toml, contract `engine-rooms`).
+May import: torch, transformers, numpy, and of the engine only engine.cuda, the room below it, whose fused step
+steps.py runs (pyproject.toml, contracts `engine-rooms` and `core-layers`; `algorithm-not-devices` keeps tree.py and
+drafter.py from importing engine.cuda themselves).
 """

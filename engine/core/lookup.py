@@ -7,7 +7,7 @@ followed those earlier occurrences. `build_lookup_tree` merges the best continua
 
 The index is one hash per n-gram order: its query stays flat as the stream grows (every order's occurrences are one
 dict lookup away, and only the most recent `SCAN` are read), and it is the simplest of the indexes compared
-(`python -m scripts.lookup_timing`; docs/experiments/design-measurements.md).
+(`python -m scripts.lab.lookup_timing`; docs/experiments/design-measurements.md).
 
 What q means for lookup nodes: a lookup proposal is deterministic given the committed context, so lookup children
 are recorded as child_mode "topk": each a draw from the point mass on its token (engine/verify/base.py). That is

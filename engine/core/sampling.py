@@ -74,6 +74,3 @@ class Sampling:
             probs = probs.masked_fill(drop, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
-
-
-GREEDY = Sampling()

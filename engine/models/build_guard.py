@@ -9,8 +9,9 @@ memory budget checked before each compile, an end with the app that started it, 
             build(...)
     read_build_status(path)                                           # what the app reads for its page
 
-Why: compiling the default pair's fp32 target grew a builder to 19.8 GB beside a 12.8 GB app on a 24 GB machine;
-the kernel's OOM killer ended the app, and the builder went on alone (issue 39).
+Why: an unguarded builder compiling the default pair's fp32 target outgrew the machine beside the app; the kernel's
+OOM killer ended the app, and the builder went on alone (docs/experiments/2026-11-26-every-cpu.md, "The builder's
+memory").
 
 Linux only where it matters (/proc, prctl); elsewhere the lock still holds, memory is not checked, and the parent
 is watched by polling os.getppid().
@@ -54,10 +55,9 @@ def compile_peak_estimate(weight_bytes: int, earlier_peaks: list[tuple[int, int]
     With any, the largest growth, scaled up (never down) by how many more weight bytes this package holds, plus a
     margin. Without, DEFAULT_PEAK_FACTOR x the weights + DEFAULT_PEAK_FIXED + DEFAULT_PEAK_PER_LAYER x `layers`.
     Since weights are the packages' inputs (aoti.FORMAT 4+) the compiler's own part dominates, and it grows with
-    the graph: measured 2026-11-26 on an emulated AVX2 CPU, each package of the fp32 1.5B target (28 layers) grew
-    its builder by 2.9 GiB once the released weights' pages were handed back (4.1 GiB while they stayed resident),
-    the bf16 one's by 1.6 GiB, the tiny pair's (2 layers) ~0.6 GiB. Adjust here: the default is what a first start
-    relies on, before its first package is measured."""
+    the graph, so the default is per decoder layer; the growths it is fitted to are in the lab note
+    (docs/experiments/2026-11-26-every-cpu.md, "The builder's memory"). Adjust here: the default is what a first
+    start relies on, before its first package is measured."""
     if earlier_peaks:
         return int(MEASURED_MARGIN * max(growth * max(1.0, weight_bytes / max(weights, 1))
                                          for weights, growth in earlier_peaks))

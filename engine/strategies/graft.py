@@ -168,8 +168,8 @@ class LookupGrafted:
 
     def build(self, drafter, tree: DraftTree) -> None:
         """The model's tree under the budget less the lookup reservation, then the lookup branches; or, where the gate
-        says so, the lookup's tree alone under the whole budget. tree.extra records "lookup_only" and
-        "lookup_s", the seconds the lookup's own work took (index queries and grafting; no model forward)."""
+        says so, the lookup's tree alone under the whole budget. The tree's LookupReport (`tree.lookup`) records
+        `alone` and `seconds`, what the lookup's own work took (index queries and grafting; no model forward)."""
         self.alone, budget = False, self.settings.budget
         start = time.perf_counter()
         best, match, alone_s = self.probe(len(tree), budget)

@@ -216,6 +216,12 @@ def gpu_note(run: RunResult, tables: Sequence[GpuTable]) -> str:
     return text
 
 
+COST_TITLE_LINE_PX = 17  # one line of the cost panel's 12 px title
+COST_TITLE_TOP_PX = 12   # the title's first line below the figure's top edge
+COST_SUBPLOT_TITLES_PX = 36  # the two subplot titles above the plots, below the last title line
+COST_PLOTS_PX = 375      # the plots, their axes and the legend: the figure's height below the top margin
+
+
 def cost_figure(run: RunResult | None, ar_run: RunResult | None = None,
                 gpu_tables: Sequence[GpuTable] | None = None) -> go.Figure:
     """Left: verifying n tree nodes in one target forward, and the draft's forwards, against n (measured points,
@@ -223,21 +229,37 @@ def cost_figure(run: RunResult | None, ar_run: RunResult | None = None,
     seconds, predicted and measured, against the break-even: the time AR takes for the tokens it committed. With
     `gpu_tables` (the shipped GPU tables, maybe none) the title ends with `gpu_note`, and where a table fits the
     run, its price of each iteration is a line on the right."""
+    note = "" if gpu_tables is None or run is None else gpu_note(run, gpu_tables)
+    gpu = [html.escape(line) for line in textwrap.wrap(note, 130, break_on_hyphens=False)]
+    rows = cost_rows(run) if run is not None else []
+    fig = _cost_frame(([drift_title(run)] if rows else []) + gpu)
+    if not rows:
+        return _empty(fig, "no cost records in this run (the engine records them when the pair's costs are measured)")
+    step = ar_seconds_per_token(run, ar_run)
+    _add_row_costs(fig, rows, step)
+    _add_iteration_costs(fig, run, rows, step, gpu_tables)
+    return fig
+
+
+def _cost_frame(title: list[str]) -> go.Figure:
+    """The cost panel's two subplots under `title`, one line each, pinned to the figure's top edge with the top
+    margin grown by a line per line: a title centred in the margin (plotly's default) runs into the subplot
+    titles once the GPU note wraps. The height stays at one line's for an untitled panel, so it does not jump."""
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, column_widths=[0.45, 0.55], subplot_titles=(
         "verify n nodes, draft n rows in all (ms)", "each iteration: draft + verify vs break-even (ms)"))
-    note = "" if gpu_tables is None or run is None else gpu_note(run, gpu_tables)
-    lines = textwrap.wrap(note, 130, break_on_hyphens=False)
-    gpu = "<br>".join(html.escape(line) for line in lines)
-    fig.update_layout(template="plotly_white", height=450 + 16 * len(lines),
-                      margin={"l": 10, "r": 10, "t": 75 + 16 * len(lines), "b": 10},
+    top = COST_TITLE_TOP_PX + COST_TITLE_LINE_PX * max(len(title), 1) + COST_SUBPLOT_TITLES_PX
+    fig.update_layout(template="plotly_white", height=top + COST_PLOTS_PX,
+                      margin={"l": 10, "r": 10, "t": top, "b": 10},
                       legend={"orientation": "h", "y": -0.18, "font": {"size": 11}})
-    rows = cost_rows(run) if run is not None else []
-    if not rows:
-        if gpu:
-            fig.update_layout(title={"text": gpu, "font": {"size": 12}, "x": 0.01})
-        return _empty(fig, "no cost records in this run (the engine records them when the pair's costs are measured)")
-    fig.update_layout(title={"text": drift_title(run) + (f"<br>{gpu}" if gpu else ""), "font": {"size": 12},
-                             "x": 0.01})
+    if title:
+        fig.update_layout(title={"text": "<br>".join(title), "font": {"size": 12}, "x": 0.01, "xanchor": "left",
+                                 "yref": "container", "y": 1.0, "yanchor": "top",
+                                 "pad": {"t": COST_TITLE_TOP_PX}})
+    return fig
+
+
+def _add_row_costs(fig: go.Figure, rows: list[dict[str, Any]], step: float | None) -> None:
+    """The left plot: verify and draft seconds against their row counts, measured and predicted; AR's step."""
     ms = 1000.0
     verify = sorted(rows, key=lambda r: r["verify_rows"])
     fig.add_trace(go.Scatter(x=[r["verify_rows"] for r in rows], y=[r["measured_verify_s"] * ms for r in rows],
@@ -259,10 +281,19 @@ def cost_figure(run: RunResult | None, ar_run: RunResult | None = None,
             x=[sum(r["draft_rows"]) for r in by_rows], y=[r["predicted_draft_s"] * ms for r in by_rows],
             mode="lines", name="draft, predicted", line={"color": "#b9770e", "dash": "dot"},
             hovertemplate="%{x} rows: %{y:.1f} ms<extra>draft, predicted</extra>"), row=1, col=1)
-    step = ar_seconds_per_token(run, ar_run)
     if step:
         fig.add_hline(y=step * ms, line={"color": "#7f8c8d", "dash": "dash", "width": 1}, row=1, col=1,
                       annotation_text=f"AR: one token {step * ms:.0f} ms", annotation_position="top left")
+    # log n: the first iteration's draft forward also reads the whole prompt, hundreds of rows
+    fig.update_xaxes(title_text="n (rows, log scale)", type="log", row=1, col=1)
+    fig.update_yaxes(rangemode="tozero", row=1, col=1)
+
+
+def _add_iteration_costs(fig: go.Figure, run: RunResult, rows: list[dict[str, Any]], step: float | None,
+                         gpu_tables: Sequence[GpuTable] | None) -> None:
+    """The right plot: each iteration's seconds, predicted and measured, the shipped GPU table's price of it where
+    one fits, and the break-even (AR's time for the tokens the iteration committed) once AR is measured."""
+    ms = 1000.0
     idx = [r["index"] for r in rows]
     fig.add_trace(go.Scatter(x=idx, y=[r["predicted_s"] * ms for r in rows], mode="lines+markers",
                              name="iteration, predicted", line={"color": "#8e44ad"},
@@ -276,19 +307,14 @@ def cost_figure(run: RunResult | None, ar_run: RunResult | None = None,
             x=[it.index for it in run.iterations], y=[s * ms for s in prediction.per_iteration], mode="lines",
             name=f"iteration, {table.label}", line={"color": "#16a085", "dash": "dot"},
             hovertemplate="iteration %{x}: %{y:.2f} ms<extra>" + html.escape(table.gpu) + "</extra>"), row=1, col=2)
-    if step:
-        fig.add_trace(go.Scatter(
-            x=idx, y=[r["committed"] * step * ms for r in rows], mode="lines",
-            name="break-even: AR for the same tokens",
-            line={"color": "#c0392b", "dash": "dash", "shape": "hvh"}, customdata=[r["committed"] for r in rows],
-            hovertemplate="iteration %{x}: AR needs %{y:.1f} ms for its %{customdata} tokens<extra>break-even</extra>"),
-            row=1, col=2)
-    # log n: the first iteration's draft forward also reads the whole prompt, hundreds of rows
-    fig.update_xaxes(title_text="n (rows, log scale)", type="log", row=1, col=1)
-    fig.update_yaxes(rangemode="tozero", row=1, col=1)
     fig.update_xaxes(title_text="iteration", row=1, col=2)
     fig.update_yaxes(rangemode="tozero", row=1, col=2)
     if not step:
         fig.add_annotation(text="break-even appears once AR is measured", showarrow=False, xref="x2 domain",
                            yref="y2 domain", x=0.5, y=1.0, font={"color": "#888"})
-    return fig
+        return
+    fig.add_trace(go.Scatter(
+        x=idx, y=[r["committed"] * step * ms for r in rows], mode="lines", name="break-even: AR for the same tokens",
+        line={"color": "#c0392b", "dash": "dash", "shape": "hvh"}, customdata=[r["committed"] for r in rows],
+        hovertemplate="iteration %{x}: AR needs %{y:.1f} ms for its %{customdata} tokens<extra>break-even</extra>"),
+        row=1, col=2)

@@ -1,4 +1,6 @@
-"""Which index should context lookup use? Times three on copy-heavy token streams (the numbers in
+"""Lab probe behind docs/experiments/design-measurements.md ("The lookup index").
+
+Which index should context lookup use? Times three on copy-heavy token streams (the numbers in
 engine/core/lookup.py).
 
 Each index is fed the stream 4 tokens at a time (as iterations commit them) and asked, every 10th step, for the
@@ -6,7 +8,7 @@ longest earlier match of the stream's end and what followed its occurrences (up 
 - "ngram-hash": engine.core.lookup.LookupIndex, one dict entry per n-gram of every order min..max;
 - "bigram+extend": one dict of min-order n-grams; each occurrence's match length found by comparing backwards;
 - "suffix-automaton": online suffix automaton; endpos of a state by walking its subtree of suffix links.
-Usage: python -m scripts.lookup_timing [--lengths 2000 8000]
+Usage: python -m scripts.lab.lookup_timing [--lengths 2000 8000]
 """
 from __future__ import annotations
 
@@ -121,7 +123,7 @@ def measure(make, tokens):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
     args = ap.parse_args()
     makers = {"ngram-hash": lambda: LookupIndex(MIN, MAX), "bigram+extend": BigramExtend,

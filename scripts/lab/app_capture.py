@@ -1,9 +1,11 @@
-"""The app with captured steps, measured from outside: how long a start takes to its first live tree and to its
+"""Lab probe behind docs/experiments/2026-11-25-captured-steps.md ("The app") and 2026-11-26-every-cpu.md.
+
+The app with captured steps, measured from outside: how long a start takes to its first live tree and to its
 captured steps, then Races of AR against a strategy on the steps the app runs.
 
-    python -m scripts.app_capture --pair default --races 8 --json race.json     # the cache as it is
-    python -m scripts.app_capture --pair default --races 8 --browser            # Races clicked in Chromium
-    TREEVIZ_CACHE=/tmp/fresh python -m scripts.app_capture --pair default       # a first start (compiles meanwhile)
+    python -m scripts.lab.app_capture --pair default --races 8 --json race.json     # the cache as it is
+    python -m scripts.lab.app_capture --pair default --races 8 --browser            # Races clicked in Chromium
+    TREEVIZ_CACHE=/tmp/fresh python -m scripts.lab.app_capture --pair default       # a first start (compiles meanwhile)
 
 Launches the app in this process (scripts/ui_latency.py `start_app`) and talks to it through gradio_client only:
 /run until its first update holds a tree, then the pair's status line until no captured step is pending, then

@@ -1,4 +1,6 @@
-"""Would compiling the tree's forwards pay? One target forward of B tree rows, eager against torch.compile.
+"""Lab probe behind docs/experiments/compiled-ar.md (compile-probe.json, compile-probe-attention.json).
+
+Would compiling the tree's forwards pay? One target forward of B tree rows, eager against torch.compile.
 
 The bench's `ar-compiled` baseline compiles the single-row step (engine/capture/compiled.py). A speculative iteration
 instead verifies B rows under a tree mask, and B changes every iteration. This probe times, for each B asked for, one
@@ -18,8 +20,8 @@ its own copy of the weights, and an inductor failure (a crash inside generated c
 count. Within a process, eager and every compiled variant are called in turn, so the machine's drift hits them all.
 Results: docs/experiments/compiled-ar.md.
 
-    python -m scripts.compile_probe --pair default --rows 4,8,16
-    python -m scripts.compile_probe --pair default --rows 1 --prefix 150 --variants shipped:384,sdpa:640
+    python -m scripts.lab.compile_probe --pair default --rows 4,8,16
+    python -m scripts.lab.compile_probe --pair default --rows 1 --prefix 150 --variants shipped:384,sdpa:640
 """
 from __future__ import annotations
 
@@ -158,7 +160,7 @@ def main() -> int:
     print(f"{'rows':>5s} {'eager ms':>9s} {'variant':>12s} {'compiled ms':>12s} {'speedup':>8s} {'compile s':>10s} "
           f"{'max |diff|':>11s}")
     for rows in (int(r) for r in args.rows.split(",")):
-        child = [sys.executable, "-m", "scripts.compile_probe", "--one", str(rows), "--pair", args.pair,
+        child = [sys.executable, "-m", "scripts.lab.compile_probe", "--one", str(rows), "--pair", args.pair,
                  "--dtype", args.dtype,
                  "--prefix", str(args.prefix), "--repeats", str(args.repeats), "--mode", args.mode,
                  "--variants", args.variants]

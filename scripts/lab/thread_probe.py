@@ -1,4 +1,6 @@
-"""How much slower torch's CPU kernels run on a second thread once the main thread has run parallel work.
+"""Lab probe behind docs/experiments/design-measurements.md and 2026-11-25-compare-threads-labels.md.
+
+How much slower torch's CPU kernels run on a second thread once the main thread has run parallel work.
 
 GNU OpenMP keeps one pool of worker threads per thread that starts parallel work; with two pools on a small machine
 it stops spinning idle workers, and every parallel region wakes them from sleep (treeviz/serving/compute_thread.py says
@@ -7,8 +9,8 @@ the default draft's MLP shape in three places: a first thread (before the main t
 the main thread, and a thread started after that. With --pair it also decodes one prompt on the main thread and on a
 second thread, alternately.
 
-    python -m scripts.thread_probe
-    python -m scripts.thread_probe --pair default --strategy dynatree --max-new-tokens 48
+    python -m scripts.lab.thread_probe
+    python -m scripts.lab.thread_probe --pair default --strategy dynatree --max-new-tokens 48
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The engine on a CUDA device: greedy exactness in fp32, bf16 agreement, seeded sampling, synchronised timings.
+"""Lab probe behind docs/experiments/cuda.md; the GPU check (scripts/gpu_check) has since taken its place.
 
-    python -m scripts.cuda_check [--device cuda] [--tokens 40] [--json OUT]
+The engine on a CUDA device: greedy exactness in fp32, bf16 agreement, seeded sampling, synchronised timings.
+
+    python -m scripts.lab.cuda_check [--device cuda] [--tokens 40] [--json OUT]
 
 Runs every strategy on the tiny random pairs (built in memory: no download, so it runs on a machine with no network)
 and prints, per strategy: how many runs equal target-only greedy decoding token for token in fp32 (must be all),
