@@ -361,15 +361,6 @@ class StaticSteps:
         self.capture_info["reserved_bytes"] = torch.cuda.memory_reserved(self.device) - reserved
 
 
-def use_graphs(cuda_graphs: str, device: torch.device) -> bool:
-    """--cuda-graphs auto|on|off: auto = on for CUDA devices, off elsewhere; on without CUDA is an error."""
-    if cuda_graphs not in ("auto", "on", "off"):
-        raise ValueError(f"cuda_graphs must be auto, on or off, not {cuda_graphs!r}")
-    if cuda_graphs == "on" and device.type != "cuda":
-        raise StepsError(f"--cuda-graphs on needs a CUDA device; this model runs on {device.type}")
-    return cuda_graphs == "on" or (cuda_graphs == "auto" and device.type == "cuda")
-
-
 def make_steps(model, kind: str = "dynamic", *, max_len: int | None = None, buckets: tuple[int, ...] | None = None,
                graphs: bool = False, captured=None, pool=None):
     """DynamicSteps, or StaticSteps of `max_len` positions (see `capacity`) and `buckets` (see `choose_buckets`)."""

@@ -3,6 +3,8 @@
     fused.py     one decoder forward with Q/K/V and gate/up fused into one GEMM each (made once at load, the
                  model's own weights become views of them), grouped-query attention over the static cache without
                  repeating key/value heads, and the layer compiled by inductor where torch.compile may run.
+    aot.py       the same layer as AOTInductor packages (weights and cache as inputs), for where torch.compile may
+                 not run (a ZeroGPU Space); exact on the CPU, not yet loadable on CUDA (docs/gpu.md).
 
 The decoder and the drafter never import this room: engine/core/steps.py's StaticSteps runs whatever forward is
 installed on a model (`fused.installed`), replayed through a CUDA graph per bucket (engine/core/cuda_graphs.py). The

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root, where `python -m scripts.lab.compile_probe` runs
 
 
 def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode: str,

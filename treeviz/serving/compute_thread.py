@@ -4,7 +4,7 @@ torch's CPU kernels run in parallel through OpenMP, and GNU OpenMP keeps a pool 
 that starts parallel work. Once two such pools exist on a small machine there are more OpenMP threads than cores,
 and then, by libgomp's documented default (GOMP_SPINCOUNT), idle workers spin 100 times instead of 300,000 before
 they sleep, so every parallel region has to wake them: a thread started after the main thread ran parallel work
-runs the same kernels measurably slower (`python -m scripts.thread_probe`; numbers in
+runs the same kernels measurably slower (`python -m scripts.lab.thread_probe`; numbers in
 docs/experiments/design-measurements.md). Gradio steps a streaming handler in whichever of its worker threads is
 free, and each worker that ever ran a kernel keeps its pool, so without this module a run is slow whenever a step
 lands on another worker.
