@@ -1,0 +1,33 @@
+"""Fed docs/experiments/2026-11-27-zen3.md: SDPA against two GEMMs and a softmax for a few query rows on this CPU.
+
+    python -m scripts.lab.attention_probe
+
+The folded grouped-query rows the engine's tree_sdpa hands SDPA (engine/core/attention.py), masked, over 300 cached
+positions, at the default pair's attention shapes, fp32 and bf16, 2 threads; medians of 200 calls after 30 warm-ups.
+"""
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(2)
+def few_rows(q, k, v, mask, scale):
+    s = torch.matmul(q, k.transpose(-1, -2)).to(torch.float32) * scale + mask
+    return torch.matmul(torch.softmax(s, -1).to(v.dtype), v)
+def med(fn, reps=200):
+    for _ in range(30): fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+for dtype in (torch.float32, torch.bfloat16):
+    for name, kvh, g in (("draft 0.5B", 2, 7), ("target 1.5B", 2, 6)):
+        for n in (1, 4, 16):
+            L = 300 + n
+            q = torch.randn(1, kvh, g * n, 128, dtype=dtype); k = torch.randn(1, kvh, L, 128, dtype=dtype); v = torch.randn_like(k)
+            mask = torch.zeros(1, 1, g * n, L, dtype=dtype); mask[..., -1] = torch.finfo(dtype).min
+            a = med(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=128 ** -0.5))
+            m32 = mask.to(torch.float32)
+            b = med(lambda: few_rows(q, k, v, m32, 128 ** -0.5))
+            print(f"{str(dtype)[6:]:9} {name:12} rows {n:2}: sdpa {a:7.1f} us  gemms+softmax {b:7.1f} us  ratio {a / b:5.2f}")
