@@ -27,6 +27,7 @@ from engine.measure.costs import PREFIX, probe_ids
 from engine.models import tiny_random_model
 from engine.models.shapes import shape_model
 from scripts.device_costs import one_row_walls
+from scripts.gpu_check.fast import profile_one_row
 
 MODELS = ("qwen2.5-1.5b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b")
 QUICK_MODELS = ("tiny",)
@@ -136,7 +137,7 @@ def one_way(ctx, model, way: str, step_bytes_: float, layers: int, bandwidth: di
     steps.prefill(ids[:PREFIX])
     walls = one_row_walls(steps, ids, REPEATS)
     wall = statistics.median(walls)
-    kernels = count_kernels(steps, ids) if cuda else {}
+    kernels = profile_one_row(steps, ids) if cuda else {}  # the fast section's kernel count
     out.update({"wall_ms": 1e3 * wall, "first_ms": 1e3 * walls[0], **kernels})
     step = fused.installed(model)
     if step is not None and step.compile_error:
@@ -187,19 +188,6 @@ def bandwidth_of(step_bytes_: float, wall_s: float, bandwidth: dict) -> dict:
     if bandwidth.get("nominal_gbps"):
         out["of_nominal"] = gbps / bandwidth["nominal_gbps"]
     return out
-
-
-def count_kernels(steps, ids: list[int]) -> dict:
-    """The kernels one graphed one-row forward runs (profiler; copies apart) and their summed device time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        steps.forward([ids[PREFIX]], [PREFIX])
-        synchronize(steps.device)
-    steps.keep(PREFIX, [])
-    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
-    return {"kernels": len(kernels), "kernel_ms": sum(e.device_time for e in kernels) / 1e3}
 
 
 def summarise(result: dict) -> list[str]:
