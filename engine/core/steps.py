@@ -18,8 +18,9 @@ StaticSteps preallocates the cache (`max_len` positions) and runs each forward o
   captured  a CPU package compiled ahead of time (engine/capture/aoti.py, through `captured`, the model's
             CapturedModel): exactly n rows, or padded to its bucket;
   graphed   a CUDA graph of the bucket's forward (engine/core/cuda_graphs.py), replayed after the inputs are copied in;
-  eager     the model called on the static cache (or the fused step installed for it, engine/cuda/fused.py), padded to its bucket where one holds it (so CPU tests exercise
-            what graphs replay), at its own size beyond every bucket (a prefill, the draft's first forward).
+  eager     the model called on the static cache (or the fused step installed for it, engine/cuda/fused.py),
+            padded to its bucket where one holds it (so CPU tests exercise what graphs replay), at its own size
+            beyond every bucket (a prefill, the draft's first forward).
 Padded rows repeat the last token at the last position and each sees only its own column; their outputs never leave.
 Rollback copies the accepted rows into place and moves `length`; rows past it are stale but masked. Every forward
 attends over all `max_len` columns, filled or not, so `max_len` should be what the run needs (`capacity`).
@@ -205,7 +206,6 @@ class StaticSteps:
                                     device=self.device)
             # StaticCache allocates on its first write: one forward puts it at its final addresses (the row it
             # writes is past `length`: never seen)
-            self.__dict__.pop("keys", None)  # so that first forward is transformers' own, which allocates
             self._eager(self._staged([0], torch.zeros(1, dtype=torch.long), None, 1), 1, 0)
             self.keys = [layer.keys for layer in self.cache.layers]
             self.values = [layer.values for layer in self.cache.layers]
@@ -324,7 +324,8 @@ class StaticSteps:
         """The forward itself on the static cache (what a graph captures): every layer writes from `_start` on."""
         ids, pos, mask = inputs
         fused = installed_step(self.model)
-        if fused is not None and hasattr(self, "keys"):  # the model's fused step (engine/cuda), once the cache exists
+        if fused is not None and self.cache.layers[0].is_initialized:  # the fused step (engine/cuda) writes the cache
+            # transformers allocates; so the first forward on a new cache is transformers' own
             return fused(self.model.get_input_embeddings()(ids), pos, mask, self._start, self.keys, self.values, keep)
         for layer in self.cache.layers:
             if layer.is_initialized:  # StaticLayer writes at its own `cumulative_length`, which it advances
