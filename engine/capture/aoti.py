@@ -26,12 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from unittest.mock import patch
 
 import torch
 from torch import nn
@@ -40,6 +38,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from engine.core.attention import compiled_attention
 from engine.core.kernels import bound_tensors, opaque_linears, page_out, routed_linears
 from engine.core.runtime import cache_dir, model_device
+from engine.cuda.aot import load_package
 
 FORMAT = 5  # bump when a package's inputs or outputs change meaning (4: weights are inputs; 5: plain opaque too)
 MAX_ROWS = 64  # the largest dynamic row count a package is exported for
@@ -229,15 +228,8 @@ def build(model, recipe: Recipe, file: Path, weights: list[torch.Tensor]) -> flo
 
 def load(file: Path, weights: list[torch.Tensor]):
     """The package's runner, bound to the model's `weights` (kernels.format_tensors of its recipe's formats): call
-    it as Step.forward without them.
-
-    torch unpacks a package into a temporary folder that it removes only when the runner is collected, which never
-    happens in a process that exits or is killed with the runner alive: every start of the app would leave 6 GB
-    behind. So it unpacks into a folder of our own, removed as soon as the runner is loaded (its library and weights
-    stay mapped; the space is returned when the process ends, however it ends)."""
-    tempfile.gettempdir()  # fix Python's own temporary folder before TMPDIR points elsewhere for a moment
-    with tempfile.TemporaryDirectory(prefix="treeviz-aoti-") as folder, patch.dict(os.environ, {"TMPDIR": folder}):
-        runner = torch._inductor.aoti_load_package(str(file))  # the C++ loader unpacks under $TMPDIR
+    it as Step.forward without them. Unpacked without leaving a folder behind (engine/cuda/aot.py `load_package`)."""
+    runner = load_package(file)
     return lambda *args: runner(*args, weights)
 
 
