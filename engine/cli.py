@@ -52,6 +52,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "AOTInductor once per machine (minutes the first time, seconds after) and used at the row "
                         "counts where they measure faster; on CUDA, one CUDA graph per row-count bucket (validated "
                         "on an H100: docs/gpu.md). auto: both where they can be built")
+    p.add_argument("--draft-phase", default="host", choices=("host", "device"),
+                   help="where a tree's choices are made: host (default: a read of the draft's probabilities per "
+                        "level), or device (fixed tree and DynaTree at temperature 0: the tree grown as tensors and "
+                        "read back once per iteration with the accepted path, at the cost of running every planned "
+                        "level; docs/gpu.md)")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the forward-cost table again instead of reading it from the cache")
     p.add_argument("--preset", default=None,
@@ -195,7 +200,7 @@ def _run_spec(args) -> RunSpec:
                    params=_strategy_params(args, args.strategy), max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                    verifier=args.verifier or "auto", stop_on_eos=not args.no_eos, stop_strings=tuple(args.stop or ()),
-                   steps=args.steps)
+                   steps=args.steps, draft_phase=args.draft_phase)
     check_spec(spec)
     return spec
 
@@ -275,7 +280,8 @@ def cmd_bench(args) -> int:
         if m not in (*PEERS, *AR_METHODS) and name not in STRATEGIES:
             raise StrategyError(f"unknown method {m!r}; choose from {', '.join(STRATEGIES)}, {', '.join(PEERS)}, "
                                 "ar-eager, ar-captured, ar-compiled (a strategy may name switches and its preset, and "
-                                "end in /eager to run without captured steps: dynatree+lookup@auto/eager)")
+                                "end in /eager to run without captured steps, /device to grow its trees on the "
+                                "device: dynatree+lookup@auto/eager, dynatree@auto/device)")
         method_params(m)
         if name in STRATEGIES and own not in STRATEGIES[name].preset_names():
             raise StrategyError(f"{name} has no preset {own!r}; choose from {STRATEGIES[name].preset_names()}")

@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from engine.core import kv
+from engine.core import device_draft, kv
 from engine.core.drafter import Drafter, softmax_processor
 from engine.core.prompts import Prompt, PromptError, encode_prompt, prompt_text
 from engine.core.runtime import synchronize
 from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, pair_static_steps
+from engine.core.tensor_tree import TensorTree
 from engine.core.trace import IterationRecord, RunConfig, RunResult, RunSampling, TokenSource, known
 from engine.core.tree import DraftTree
 from engine.measure.clock import StageClock
@@ -87,6 +88,10 @@ class Decoder:
     # eager AR).
     steps: str = "auto"
     capture: str = "auto"
+    # "host" | "device": where a tree's choices are made. "device" grows the tree of a strategy that plans it
+    # (engine/core/device_draft.py) on the device and reads it back once per iteration, at temperature 0 with greedy
+    # verification; other iterations stay on the host.
+    draft_phase: str = "host"
     plugins: tuple[Plugin, ...] = ()
     captured: bool = field(init=False)
     static: bool = field(init=False)
@@ -102,6 +107,8 @@ class Decoder:
             raise VerificationError(f"verification rule {verifier.name!r} is exact only at temperature 0; "
                                     f"at temperature {sampling.temperature:g} pick a sampling rule")
         verifier.check_strategy(strategy)
+        if self.draft_phase not in ("host", "device"):
+            raise ValueError(f"draft_phase must be host or device, not {self.draft_phase!r}")
         if steps not in ("auto", "static", "dynamic") or capture not in ("auto", "off"):
             raise ValueError(f"steps must be auto, static or dynamic and capture auto or off, not {steps!r} / "
                              f"{capture!r}")
@@ -237,12 +244,13 @@ class DecodeRun:
         record's (engine/core/trace.py): "commit" times the caches keeping rows, "other" the record."""
         committed = self.prompt_ids + self.generated
         root_pos = len(committed) - 1
-        clock = StageClock(self.decoder.pair.device)
+        # the device phase reads the device once, in "verify": its stages are timed on the host, without a wait each
+        clock = StageClock(torch.device("cpu") if self.decoder.draft_phase == "device" else self.decoder.pair.device)
         with clock("build"):
             tree, built = self.draft(committed)
             params = self.strategy.current_params()  # after build: a selector may have chosen this tree's shape in it
         with clock("verify"):
-            logits, verdict = self.verify(tree, root_pos)
+            tree, logits, verdict = self.verify(tree, root_pos)
         with clock("commit"):
             self.keep(tree, verdict.path, root_pos, built)
         with clock("other"):
@@ -253,30 +261,43 @@ class DecodeRun:
         self.tree, self.logits = tree, logits
         return record
 
-    def draft(self, committed: list[int]) -> tuple[DraftTree, bool]:
+    def draft(self, committed: list[int]) -> tuple[DraftTree | TensorTree, bool]:
         """The iteration's tree, rooted at the last committed token, and whether the strategy built it: not when a
         hook rests this iteration (an AR step: the tree stays the root alone, and the tokens it commits ride along
-        with the next tree's first draft forward)."""
+        with the next tree's first draft forward). A tree grown on the device is a TensorTree until `verify`."""
         tree = DraftTree(root_token=committed[-1])
         for hooks in self.hooks:
             hooks.before_build(committed, self.width)
         if any(hooks.rests() for hooks in self.hooks):
             return tree, False
+        plan = self.device_plan()
+        if plan is not None:
+            return device_draft.draft(self.drafter, self.strategy, plan, committed), True
         if self.drafter is not None:
             self.drafter.begin(tree, committed)
         self.strategy.build(self.drafter, tree)  # drafter None: a strategy without a draft (AR's build adds nothing)
         return tree, True
 
-    def verify(self, tree: DraftTree, root_pos: int) -> tuple[torch.Tensor, Verdict]:
+    def device_plan(self) -> list[tuple[int, int]] | None:
+        """The strategy's plan when this run grows trees on the device (engine/core/device_draft.py), else None."""
+        if self.decoder.draft_phase != "device" or self.drafter is None or self.decoder.verifier.name != "greedy":
+            return None
+        return device_draft.device_plan(self.strategy, self.decoder.sampling.greedy, bool(self.drafter.watchers))
+
+    def verify(self, tree: DraftTree | TensorTree, root_pos: int) -> tuple[DraftTree, torch.Tensor, Verdict]:
         """One target forward over [root, n1..nk] at positions P + depth under the ancestor-only mask, then the
-        rule's verdict; returns (logits, verdict)."""
+        rule's verdict; returns (the tree on the host, logits, verdict)."""
         decoder = self.decoder
-        visible = kv.tree_visibility(root_pos, tree.ancestor_matrix()) if len(tree) > 1 else None
-        logits = self.target.forward(tree.tokens, [root_pos + d for d in tree.depths], visible)
-        verdict = decoder.verifier.verify(tree, logits, decoder.sampling, self.generator)
+        if isinstance(tree, TensorTree):
+            tree, path, bonus, logits = device_draft.verify(tree, self.drafter, self.target, self.strategy, root_pos)
+            verdict = Verdict(path=path, bonus=bonus)
+        else:
+            visible = kv.tree_visibility(root_pos, tree.ancestor_matrix()) if len(tree) > 1 else None
+            logits = self.target.forward(tree.tokens, [root_pos + d for d in tree.depths], visible)
+            verdict = decoder.verifier.verify(tree, logits, decoder.sampling, self.generator)
         for hooks in self.hooks:
             hooks.after_target(logits, verdict.path[-1])  # the row that drew the next root
-        return logits, verdict
+        return tree, logits, verdict
 
     def keep(self, tree: DraftTree, path: list[int], root_pos: int, built: bool) -> None:
         """Both caches keep the root and the accepted rows; the hooks hear what a built tree had accepted."""

@@ -43,6 +43,9 @@ class RunSpec:
     # takes them wherever the pair has them ready (engine/capture/packages.py), "off" runs eagerly.
     steps: str = "auto"
     capture: str = "auto"
+    # Where a tree's choices are made (engine/core/device_draft.py): "host", or "device" for the strategies that plan
+    # their trees at temperature 0 (one read to the host per iteration).
+    draft_phase: str = "host"
 
     def prompt_key(self) -> str:
         return json.dumps(self.prompt, sort_keys=True, ensure_ascii=False)
@@ -92,7 +95,7 @@ def make_decoder(pair, spec: RunSpec, verifier: Verifier | None = None) -> Decod
     rule = verifier if verifier is not None and spec.strategy != AR else make_rule(spec)
     plugins = (auto_sizing,) if strategy.auto else ()  # the "auto" preset: its sizer resizes the tree every iteration
     return Decoder(pair, strategy, verifier=rule, sampling=spec.sampling(), steps=spec.steps, capture=spec.capture,
-                   plugins=plugins)
+                   draft_phase=spec.draft_phase, plugins=plugins)
 
 
 def start_run(pair, spec: RunSpec, verifier: Verifier | None = None) -> DecodeRun:

@@ -36,7 +36,9 @@ def iteration_record(index: int, root_pos: int, tree: DraftTree, verdict: Verdic
             rank=tree.ranks[i] if i else None, path_q=tree.path_q[i], p=None, status=status,
             accept_prob=verdict.accept_prob.get(i), draws=tree.multiplicity(i) if i else 1, source=tree.source[i]))
     last = path[-1]
-    bonus_q = float(tree.child_dist[last][verdict.bonus]) if last in tree.child_dist else None
+    bonus_q = tree.bonus_q
+    if bonus_q is None and last in tree.child_dist:
+        bonus_q = float(tree.child_dist[last][verdict.bonus])
     nodes.append(NodeRecord(
         id=len(tree), parent=last, token=verdict.bonus, text="", depth=tree.depths[last] + 1, q=bonus_q, rank=None,
         path_q=tree.path_q[last] * bonus_q if bonus_q is not None else None, p=None, status=BONUS,

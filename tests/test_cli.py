@@ -263,6 +263,8 @@ def test_method_names_turn_switches_on_and_off_and_set_values():
     assert method_params("dynatree-history") == {"history": False}
     assert method_params("dynatree-history:a_star=0.55:d0=3@cpu") == {"history": False, "a_star": 0.55, "d0": 3}
     assert method_params("ar-compiled") == {} and method_params("hf-prompt-lookup") == {}
+    assert split_method("dynatree-history@auto/eager/device") == ("dynatree", "auto")
+    assert method_params("dynatree-history@auto/eager/device") == {"history": False}
     with pytest.raises(StrategyError, match="no switch 'budget'"):
         method_params("dynatree-budget")  # a number is not a switch
     with pytest.raises(StrategyError, match="above its maximum"):

@@ -48,6 +48,7 @@ AR_CAPTURED = "ar-captured"
 AR_EAGER = "ar-eager"
 AR_METHODS = ("ar", AR_EAGER, AR_CAPTURED, AR_COMPILED)
 EAGER = "/eager"  # a method's suffix: run it with the pair's captured steps off
+DEVICE = "/device"  # a method's last suffix: grow its trees on the device (engine/core/device_draft.py)
 COMPILED_AR_MODES = ("auto", "on", "off")
 REDUCED_PRECISION = ("bfloat16", "float16")  # dtypes whose kernels of different row counts may round near-ties apart
 
@@ -55,8 +56,13 @@ REDUCED_PRECISION = ("bfloat16", "float16")  # dtypes whose kernels of different
 def split_method(method: str, preset: str = "cpu") -> tuple[str, str]:
     """"dynatree+lookup-history:a_star=0.5@auto" -> ("dynatree", "auto"): one bench run may compare presets,
     switches and parameter values of a strategy, interleaved."""
-    name, _, own = method.removesuffix(EAGER).partition("@")
+    name, _, own = bare(method).partition("@")
     return re.split(r"[+\-:]", name)[0], own or preset
+
+
+def bare(method: str) -> str:
+    """The method without its run suffixes ("dynatree@auto/eager/device" -> "dynatree@auto")."""
+    return method.removesuffix(DEVICE).removesuffix(EAGER)
 
 
 def method_params(method: str) -> dict[str, Any]:
@@ -66,7 +72,7 @@ def method_params(method: str) -> dict[str, Any]:
     and peers (ar-compiled, hf-assisted, ...) have none."""
     if method in AR_METHODS or method in PEERS:
         return {}
-    head, *settings = method.removesuffix(EAGER).partition("@")[0].split(":")
+    head, *settings = bare(method).partition("@")[0].split(":")
     name, *signed = re.split(r"([+-])", head)
     if name not in STRATEGIES:
         return {}
@@ -104,12 +110,12 @@ def run_method(pair: ModelPair, method: str, prompt, max_new_tokens: int, preset
         if method == HF_PROMPT_LOOKUP:
             return hf_prompt_lookup(pair, prompt, max_new_tokens)
         return hf_assisted(pair, prompt, max_new_tokens)
-    eager = method == AR_EAGER or method.endswith(EAGER)
+    eager = method == AR_EAGER or method.removesuffix(DEVICE).endswith(EAGER)
     name, preset = split_method("ar" if method == AR_EAGER else method, preset)
     spec = RunSpec(pair=pair.target_name, prompt=prompt, strategy=name, preset=preset,
                    params={**(params or {}).get(name, {}), **method_params(method)}, max_new_tokens=max_new_tokens,
                    **sampling.as_dict(), verifier=verifier if isinstance(verifier, str) and verifier else "auto",
-                   capture="off" if eager else "auto")
+                   capture="off" if eager else "auto", draft_phase="device" if method.endswith(DEVICE) else "host")
     result = generate(pair, spec, verifier if isinstance(verifier, Verifier) else None)
     return {"output_ids": result.output_ids, "new_tokens": len(result.output_ids),
             "total_s": result.metrics.total_s, "result": result}

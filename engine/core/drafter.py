@@ -77,6 +77,31 @@ class Drafter:
             watch(nodes, probs)
         return probs
 
+    # -- the device draft phase (engine/core/device_draft.py): forwards whose inputs and outputs stay on the device --
+    def expand_root_on_device(self) -> torch.Tensor:
+        """The root's forward (with the pending tokens), its processed q [1, V]: nothing read back."""
+        start = time.perf_counter()
+        probs = self.process(self._forward_root().float())
+        self._counted(len(self.pending) + 1, start)
+        return probs
+
+    def expand_on_device(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """One draft forward over device rows (visible [n, cached + n] over the draft cache's columns): their
+        processed q [n, V], nothing read back. Which node a row is, the caller says with `adopt` afterwards."""
+        start = time.perf_counter()
+        probs = self.process(self.steps.forward_tensors(tokens, positions, visible).float())
+        self._counted(len(tokens), start)
+        return probs
+
+    def adopt(self, rows: dict[int, int]) -> None:
+        """The draft cache rows of the nodes a device draft phase expanded (node -> row), for `finish`."""
+        self.rows.update(rows)
+
+    def _counted(self, rows: int, start: float) -> None:
+        self.row_counts.append(rows)
+        self.forwards += 1
+        self.seconds += time.perf_counter() - start
+
     def _forward_root(self) -> torch.Tensor:
         ids = self.pending + [self.tree.root_token]
         keep = 2 if self.watchers and self.pending else 1  # the pending row before the root drew the root

@@ -145,6 +145,14 @@ class DynamicSteps:
         self.last_hidden = out.hidden_states[-1][0]
         return out.logits[0]
 
+    def forward_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """`forward` from device tensors (tokens and positions [n], visible [n, length + n]): nothing read back."""
+        out = self.model(input_ids=tokens[None], position_ids=positions[None],
+                         attention_mask=kv.additive_mask(visible, self.model.dtype), past_key_values=self.cache,
+                         use_cache=True, output_hidden_states=True)
+        self.last_hidden = out.hidden_states[-1][0]
+        return out.logits[0]
+
     def keep(self, start: int, rows: list[int]) -> None:
         kv.keep_rows(self.cache, start, rows)
 
@@ -259,6 +267,31 @@ class StaticSteps:
         if start + route.rows > self.max_len:
             self._grow(start + route.rows)
         inputs = self._staged(tokens, _positions(positions, n), visible, route.rows)
+        return self._run(inputs, route, n, last)
+
+    @torch.inference_mode()
+    def forward_tensors(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """`forward` from device tensors (tokens and positions [n], visible [n, length + n]) copied into the staging
+        tensors on the device: no host read, no host-to-device copy, so a graph replays without waiting."""
+        n, start = len(tokens), self.length
+        route = self.route(n)
+        if start + route.rows > self.max_len:
+            self._grow(start + route.rows)
+        ids, pos, mask = self._buffers(route.rows)
+        rows = route.rows
+        ids[0, :n], pos[0, :n] = tokens, positions
+        ids[0, n:], pos[0, n:] = tokens[-1], positions[-1]
+        m = mask[0, 0]
+        m.fill_(torch.finfo(self.dtype).min)
+        m[:n, :start + n].masked_fill_(visible, 0.0)
+        own = torch.arange(n, rows, device=self.device)
+        m[own, start + own] = 0
+        self._start.fill_(start)
+        return self._run((ids, pos, mask), route, n, 0)
+
+    def _run(self, inputs, route: Route, n: int, last: int) -> torch.Tensor:
+        """The staged forward on its route; the n real rows' logits (the last `last` only when last > 0)."""
+        start = self.length
         keep = last if route.rows == n and not route.graphed and route.runner is None else 0
         if route.graphed:
             logits, hidden = self.graphs.replay(route.rows, n)
@@ -282,12 +315,7 @@ class StaticSteps:
         columns every real row sees (the prefix) are set in one fill, the rest from the host's visibility."""
         n, start = len(tokens), self.length
         pad = rows - n
-        if rows > self._top:
-            ids = torch.empty(1, rows, dtype=torch.long, device=self.device)
-            pos = torch.empty(1, rows, dtype=torch.long, device=self.device)
-            mask = torch.empty(1, 1, rows, self.max_len, dtype=self.dtype, device=self.device)
-        else:
-            ids, pos, mask = self._ids[:, :rows], self._pos[:, :rows], self._mask[:, :, :rows]
+        ids, pos, mask = self._buffers(rows)
         last_pos = int(positions[-1]) if n else start
         ids.copy_(self._upload(torch.tensor(list(tokens) + [tokens[-1] if tokens else 0] * pad,
                                             dtype=torch.long)[None], "ids"), non_blocking=True)
@@ -306,6 +334,14 @@ class StaticSteps:
             m[own, start + own] = 0
         self._start.fill_(start)
         return ids, pos, mask
+
+    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The staging tensors' first `rows` rows (ids, positions, mask): fresh tensors beyond them."""
+        if rows > self._top:
+            return (torch.empty(1, rows, dtype=torch.long, device=self.device),
+                    torch.empty(1, rows, dtype=torch.long, device=self.device),
+                    torch.empty(1, 1, rows, self.max_len, dtype=self.dtype, device=self.device))
+        return self._ids[:, :rows], self._pos[:, :rows], self._mask[:, :, :rows]
 
     def _upload(self, host: torch.Tensor, name: str) -> torch.Tensor:
         """`host` as a tensor an asynchronous host-to-device copy can read: on CUDA, copied into this object's pinned

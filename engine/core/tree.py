@@ -43,6 +43,9 @@ class DraftTree:
     selector: SelectorChoice | None = None  # the delayed tree's neural selector's choice
     # Strategy-specific, JSON-able signals for this iteration (e.g. SALF's round sums); copied into the record.
     extra: dict[str, Any] = field(default_factory=dict)
+    # The draft's q of the verdict's bonus token after the last accepted node, where the device draft phase read it
+    # with the tree (engine/core/device_draft.py); None: the record reads it from `child_dist`.
+    bonus_q: float | None = None
 
     def __post_init__(self):
         if not self.tokens:

@@ -205,6 +205,35 @@ class Strategy(RunHooks):
         its first `size` nodes and pays one draft forward per level; strategies built otherwise override it."""
         return by_levels(sample, size)
 
+    # -- the device draft phase (engine/core/device_draft.py) ----------------------------------------------------
+    def device_plan(self) -> list[tuple[int, int]] | None:
+        """The tree as draft forwards of fixed sizes, built without reading the device: per forward (its rows, the
+        children per row it may add), the root's first. None (the default): this strategy's choices need the host
+        (sampled children, a neural selector, a lookup), and it builds on the host path."""
+        return None
+
+    def device_choose(self, tree, frontier: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Which of each frontier row's top-K children (`probs` [W, K], descending) this strategy adds, as
+        `add_top_children` would: bool [W, K], a prefix of each row (the budget is the tree's to cut)."""
+        raise NotImplementedError
+
+    def device_expandable(self, tree, nodes: torch.Tensor) -> torch.Tensor:
+        """Whether each new node (tree.dump where none was added) is expanded by the next draft forward."""
+        return torch.ones_like(nodes, dtype=torch.bool)
+
+    def device_built(self, tree: DraftTree) -> None:
+        """The tree the device phase built, on the host: what a strategy learns from its own build."""
+
+    @staticmethod
+    def level_widths(levels: int, branch: int, budget: int) -> list[tuple[int, int]]:
+        """(rows, branch) per forward of a tree that may branch `branch` ways per level: the root alone, then never
+        more rows than the level above could give or the budget holds."""
+        plan, width = [], 1
+        for _ in range(levels):
+            plan.append((width, branch))
+            width = min(width * branch, budget)
+        return plan
+
     # -- shared helpers ------------------------------------------------------------------------------------------
     @staticmethod
     def add_top_children(tree: DraftTree, node: int, dist: torch.Tensor, k: int, min_path_q: float = 0.0,

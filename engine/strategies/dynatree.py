@@ -23,6 +23,8 @@ parents are served first so the budget goes where the draft is confident.
 from collections import deque
 from dataclasses import asdict
 
+import torch
+
 from engine.strategies.base import BudgetedStrategy, Param, StrategyError
 from engine.strategies.graft import GRAFT_PARAMS
 
@@ -110,11 +112,40 @@ class DynaTree(BudgetedStrategy):
             dists = drafter.expand(frontier)
             order = sorted(range(len(frontier)), key=lambda i: -tree.path_q[frontier[i]])
             breadths = [self.breadth(tree.confidence[node]) for node in frontier]
-            tops = self.level_tops(dists, max(breadths))
+            tops = self.level_tops(dists, self.widest())  # the device phase's K: the same order among ties
             children = []
             for i in order:
                 children += self.add_top_children(tree, frontier[i], dists[i], breadths[i], tau, budget, tops[i])
             frontier = [n for n in children if self.expandable(tree, n)]
+        self.depth = max(tree.depths)
+
+    def widest(self) -> int:
+        """The most children any node may get."""
+        return self.settings.b_max if self.settings.dynamic_breadth else self.settings.b_mid
+
+    def device_plan(self) -> list[tuple[int, int]]:
+        c = self.settings
+        return self.level_widths(c.d_max if c.dynamic_depth else self.state["d0"], self.widest(), c.budget)
+
+    def device_choose(self, tree, frontier, valid, probs) -> torch.Tensor:
+        c, s = self.settings, self.state
+        confidence = probs[:, 0].double()  # the top-1 probability: max q, as the host path's `confidence`
+        breadth = torch.full_like(frontier, c.b_mid)
+        if c.dynamic_breadth:
+            breadth = torch.where(confidence >= s["tau_h"], c.b_min, torch.where(confidence < s["tau_l"], c.b_max,
+                                                                                  breadth))
+        rank = torch.arange(probs.shape[1], device=probs.device)
+        tau = c.tau if c.pruning else 0.0
+        return (rank < breadth[:, None]) & (probs > 0) & (tree.path_q[frontier, None] * probs.double() >= tau)
+
+    def device_expandable(self, tree, nodes) -> torch.Tensor:
+        c, s = self.settings, self.state
+        d, p = tree.depths[nodes], tree.path_q[nodes]
+        if not c.dynamic_depth:
+            return d < s["d0"]
+        return (d < c.d_max) & (p >= c.rho_stop) & ((d < s["d0"]) | (p > c.rho_deep))
+
+    def device_built(self, tree) -> None:
         self.depth = max(tree.depths)
 
     def observe(self, accepted: int, drafted: int) -> None:

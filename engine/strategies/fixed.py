@@ -1,4 +1,6 @@
 """Fixed tree: branch B at every node down to depth D, pruning paths of low draft probability, under a budget."""
+import torch
+
 from engine.strategies.base import Param, Strategy
 
 
@@ -33,3 +35,9 @@ class FixedTree(Strategy):
                 next_frontier += self.add_top_children(
                     tree, frontier[i], dists[i], c.branch, c.tau, c.budget, tops[i])
             frontier = next_frontier
+
+    def device_plan(self) -> list[tuple[int, int]]:
+        return self.level_widths(self.settings.depth, self.settings.branch, self.settings.budget)
+
+    def device_choose(self, tree, frontier, valid, probs) -> torch.Tensor:
+        return (probs > 0) & (tree.path_q[frontier, None] * probs.double() >= self.settings.tau)

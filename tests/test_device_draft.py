@@ -1,0 +1,141 @@
+"""The device draft phase (engine/core/device_draft.py): the host path's trees and tokens, one read per iteration.
+
+Exactness is checked in float64, where a draft forward's rows do not depend on how many padded rows ride beside them:
+every node's token, parent, q and path probability, every expanded node's top q, and every output token must equal
+the host path's. In float32 (the production dtype) the tokens and the trees' shapes must match.
+"""
+import pytest
+import torch
+
+from engine.decoder import Decoder
+from engine.models.tiny import tiny_random_pair
+from engine.core.sampling import Sampling
+from engine.strategies import make_strategy
+from host_reads import counted_reads
+
+PLANNED = [
+    ("fixed", {}),
+    ("fixed", {"budget": 5, "tau": 0.0}),  # the budget cuts a level short
+    ("dynatree", {}),
+    ("dynatree", {"budget": 7}),
+    ("dynatree", {"dynamic_breadth": False}),
+    ("dynatree", {"dynamic_depth": False, "d0": 3}),
+    ("dynatree", {"pruning": False, "budget": 12}),
+    ("dynatree", {"history": False, "tau_h": 0.3, "tau_l": 0.1}),
+]
+
+
+def node_view(record):
+    return [(n.id, n.parent, n.token, n.depth, n.q, n.path_q, n.rank, n.status, n.next_q) for n in record.nodes]
+
+
+def decode(pair, name, params, phase, steps="dynamic", tokens=40, **kwargs):
+    decoder = Decoder(pair, make_strategy(name, **params), steps=steps, draft_phase=phase, **kwargs)
+    return decoder.generate("hello world", max_new_tokens=tokens, stop_on_eos=False)
+
+
+@pytest.fixture(scope="module")
+def pair64():
+    pair = tiny_random_pair("related", seed=1)
+    pair.target.double()
+    pair.draft.double()
+    return pair
+
+
+@pytest.mark.parametrize("steps", ["dynamic", "static"])
+@pytest.mark.parametrize("name, params", PLANNED, ids=[f"{n}-{'-'.join(p) or 'preset'}" for n, p in PLANNED])
+def test_device_phase_builds_the_host_paths_trees(pair64, name, params, steps):
+    host = decode(pair64, name, params, "host", steps)
+    device = decode(pair64, name, params, "device", steps)
+    assert device.output_ids == host.output_ids
+    assert len(device.iterations) == len(host.iterations)
+    for ours, theirs in zip(device.iterations, host.iterations):
+        assert node_view(ours) == node_view(theirs)
+        assert ours.params == theirs.params  # DynaTree's history adapts alike
+    # the device runs every planned level; the host stops where the tree does
+    assert all(d.draft_forwards >= h.draft_forwards for d, h in zip(device.iterations, host.iterations))
+
+
+@pytest.mark.parametrize("name", ["fixed", "dynatree"])
+def test_float32_tokens_and_tree_shapes_match_the_host_path(name):
+    pair = tiny_random_pair("related", seed=0)
+    host, device = (decode(pair, name, {}, phase, "static", tokens=48) for phase in ("host", "device"))
+    assert device.output_ids == host.output_ids
+    shape = lambda run: [[(n.parent, n.token) for n in it.nodes] for it in run.iterations]  # noqa: E731
+    assert shape(device) == shape(host)
+
+
+def reads_per_iteration(pair, phase, name="dynatree"):
+    run = Decoder(pair, make_strategy(name), steps="static", draft_phase=phase).run(
+        "hello world", max_new_tokens=30, stop_on_eos=False)
+    counts, iterate = [], run.iterate
+
+    def counted():
+        with counted_reads([pair.target, pair.draft]) as state:
+            record = iterate()
+        counts.append(state["reads"])
+        return record
+
+    run.iterate = counted
+    for _ in run:
+        pass
+    return counts
+
+
+@pytest.mark.parametrize("name", ["fixed", "dynatree"])
+def test_one_read_to_the_host_per_iteration(name):
+    pair = tiny_random_pair("related", seed=1)
+    assert set(reads_per_iteration(pair, "device", name)) == {1}
+    assert min(reads_per_iteration(pair, "host", name)) > 1  # the host path reads per level: the count can fail
+
+
+@pytest.mark.parametrize("name", ["eagle2", "dyspec", "ddtree", "salf", "linear"])
+def test_strategies_without_a_plan_stay_on_the_host(pair64, name):
+    assert decode(pair64, name, {}, "device").output_ids == decode(pair64, name, {}, "host").output_ids
+
+
+def test_sampling_stays_on_the_host(pair64):
+    sampling = Sampling(temperature=0.8, seed=3)
+    runs = [decode(pair64, "dynatree", {}, phase, sampling=sampling) for phase in ("host", "device")]
+    assert runs[0].output_ids == runs[1].output_ids
+    assert [it.draft_forwards for it in runs[0].iterations] == [it.draft_forwards for it in runs[1].iterations]
+
+
+def test_lookup_grafted_strategy_stays_on_the_host(pair64):
+    params = {"lookup": True}
+    assert decode(pair64, "dynatree", params, "device").output_ids == decode(pair64, "dynatree", params,
+                                                                            "host").output_ids
+
+
+def test_unknown_draft_phase_is_refused():
+    with pytest.raises(ValueError, match="draft_phase"):
+        Decoder(tiny_random_pair("related"), make_strategy("dynatree"), draft_phase="gpu")
+
+
+def test_device_inputs_forward_equals_the_host_inputs_forward():
+    """The steps' seam: `forward_tensors` from device tensors gives `forward`'s logits and leaves the same cache."""
+    pair = tiny_random_pair("related", seed=2)
+    pair.target.double()
+    from engine.core.steps import make_steps
+    for kind in ("dynamic", "static"):
+        a, b = (make_steps(pair.target, kind, max_len=64, buckets=(1, 4, 8)) for _ in range(2))
+        a.prefill([1, 2, 3, 4])
+        b.prefill([1, 2, 3, 4])
+        visible = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+        got = a.forward_tensors(torch.tensor([5, 6, 7]), torch.tensor([4, 5, 5]), visible)
+        want = b.forward([5, 6, 7], [4, 5, 5], visible)
+        assert torch.equal(got, want)
+        a.keep(4, [4, 6])
+        b.keep(4, [4, 6])
+        assert torch.equal(a.forward([8], [6]), b.forward([8], [6]))
+
+
+def test_a_bench_method_grows_its_trees_on_the_device(pair64):
+    """`dynatree/device` in the bench: the run is the device phase's (one read per iteration), the tokens the
+    host path's."""
+    from engine.bench.tables import run_method
+    host, device = (run_method(pair64, method, "def f(x):", 24, "cpu", None, Sampling(), "auto", None)
+                    for method in ("dynatree", "dynatree/device"))
+    assert device["output_ids"] == host["output_ids"]
+    assert (max(it.draft_forwards for it in device["result"].iterations)
+            == len(make_strategy("dynatree").device_plan()))
