@@ -4,6 +4,8 @@ Exactness is checked in float64, where a draft forward's rows do not depend on h
 every node's token, parent, q and path probability, every expanded node's top q, and every output token must equal
 the host path's. In float32 (the production dtype) the tokens and the trees' shapes must match.
 """
+import os
+
 import pytest
 import torch
 
@@ -22,6 +24,9 @@ PLANNED = [
     ("dynatree", {"dynamic_depth": False, "d0": 3}),
     ("dynatree", {"pruning": False, "budget": 12}),
     ("dynatree", {"history": False, "tau_h": 0.3, "tau_l": 0.1}),
+    ("eagle2", {}),
+    ("eagle2", {"k": 3, "depth": 3, "n": 10}),  # the re-ranking prunes the beam's tree
+    ("eagle2", {"depth": 0}),
 ]
 
 
@@ -56,7 +61,7 @@ def test_device_phase_builds_the_host_paths_trees(pair64, name, params, steps):
     assert all(d.draft_forwards >= h.draft_forwards for d, h in zip(device.iterations, host.iterations))
 
 
-@pytest.mark.parametrize("name", ["fixed", "dynatree"])
+@pytest.mark.parametrize("name", ["fixed", "dynatree", "eagle2"])
 def test_float32_tokens_and_tree_shapes_match_the_host_path(name):
     pair = tiny_random_pair("related", seed=0)
     host, device = (decode(pair, name, {}, phase, "static", tokens=48) for phase in ("host", "device"))
@@ -82,14 +87,14 @@ def reads_per_iteration(pair, phase, name="dynatree"):
     return counts
 
 
-@pytest.mark.parametrize("name", ["fixed", "dynatree"])
+@pytest.mark.parametrize("name", ["fixed", "dynatree", "eagle2"])
 def test_one_read_to_the_host_per_iteration(name):
     pair = tiny_random_pair("related", seed=1)
     assert set(reads_per_iteration(pair, "device", name)) == {1}
     assert min(reads_per_iteration(pair, "host", name)) > 1  # the host path reads per level: the count can fail
 
 
-@pytest.mark.parametrize("name", ["eagle2", "dyspec", "ddtree", "salf", "linear"])
+@pytest.mark.parametrize("name", ["dyspec", "ddtree", "salf", "linear", "delayed"])
 def test_strategies_without_a_plan_stay_on_the_host(pair64, name):
     assert decode(pair64, name, {}, "device").output_ids == decode(pair64, name, {}, "host").output_ids
 
@@ -139,3 +144,45 @@ def test_a_bench_method_grows_its_trees_on_the_device(pair64):
     assert device["output_ids"] == host["output_ids"]
     assert (max(it.draft_forwards for it in device["result"].iterations)
             == len(make_strategy("dynatree").device_plan()))
+
+
+DEVICE = os.environ.get("TREEVIZ_TEST_DEVICE", "cpu")
+on_cuda = pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
+                             reason="CUDA: run with TREEVIZ_TEST_DEVICE=cuda on a CUDA machine")
+
+
+@on_cuda
+@pytest.mark.parametrize("name", ["fixed", "dynatree", "eagle2"])
+def test_cuda_graphs_device_phase_matches_the_host_path_and_syncs_once(name):
+    """On CUDA graphs: the host path's tokens and tree shapes, and one synchronisation per iteration, counted by
+    CUDA's own sync debug mode (every synchronising call warns)."""
+    pair = tiny_random_pair("related", seed=0, device="cuda")
+    host, device = (decode(pair, name, {}, phase, "static", tokens=48) for phase in ("host", "device"))
+    assert device.output_ids == host.output_ids
+    shape = lambda run: [[(n.parent, n.token) for n in it.nodes] for it in run.iterations]  # noqa: E731
+    assert shape(device) == shape(host)
+    assert set(cuda_syncs_per_iteration(pair, "device", name)) == {1}
+    assert min(cuda_syncs_per_iteration(pair, "host", name)) > 1
+
+
+def cuda_syncs_per_iteration(pair, phase: str, name: str) -> list[int]:
+    import warnings
+    run = Decoder(pair, make_strategy(name), steps="static", draft_phase=phase).run(
+        "hello world", max_new_tokens=30, stop_on_eos=False)
+    counts, iterate = [], run.iterate
+
+    def counted():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                record = iterate()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        return record
+
+    run.iterate = counted
+    for _ in run:
+        pass
+    return counts

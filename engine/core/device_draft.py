@@ -3,7 +3,7 @@
 On the host path every level of a tree reads the draft's probabilities back (to choose children in Python) and the
 verification reads the target's argmax: on a GPU each read waits for the device to drain, several times per
 iteration. Here a strategy that can say its tree as fixed-size levels (`Strategy.device_plan`: the fixed tree,
-DynaTree) grows it as tensors (tensor_tree.py), every draft forward and the target's forward take device inputs
+DynaTree, EAGLE-2) grows it as tensors (tensor_tree.py), every draft forward and the target's forward take device inputs
 (`steps.forward_tensors`), greedy verification runs on the device, and one read brings back the tree and the
 accepted path. The tree, the tokens and the records are the host path's for the same distributions (tests/
 test_device_draft.py); what differs is the work: every level runs at its planned width whether or not the tree
@@ -30,7 +30,7 @@ def device_plan(strategy, greedy: bool, watched: bool) -> list[tuple[int, int]] 
 def draft(drafter, strategy, plan: list[tuple[int, int]], committed: list[int]) -> TensorTree:
     """The iteration's tree grown on the device by `plan`'s draft forwards, nothing read back."""
     root_pos, device = len(committed) - 1, drafter.device
-    tree = TensorTree(committed[-1], strategy.settings.budget, device)
+    tree = TensorTree(committed[-1], strategy.device_budget(), device)
     drafter.begin(DraftTree(root_token=committed[-1]), committed)
     probs = drafter.expand_root_on_device()
     columns = torch.full((tree.capacity + 1,), -1, dtype=torch.long, device=device)  # node -> its draft cache row
@@ -48,8 +48,8 @@ def draft(drafter, strategy, plan: list[tuple[int, int]], committed: list[int]) 
         top, tokens = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
         added = tree.grow(frontier, valid, top, tokens, strategy.device_choose(tree, frontier, valid, top))
         if level + 1 < len(plan):
-            frontier, valid = tree.compact(added, (added != tree.dump) & strategy.device_expandable(tree, added),
-                                           plan[level + 1][0])
+            frontier, valid = strategy.device_next(tree, added, plan[level + 1][0])
+    strategy.device_finish(tree)
     return tree
 
 
@@ -57,7 +57,7 @@ def verify(tree: TensorTree, drafter, target, strategy, root_pos: int):
     """The target's forward over the tree's rows and greedy verification, then the iteration's one read: (the host
     tree, the accepted path, the bonus token, the target's logits [len(tree), V]). The drafter learns the rows it
     expanded (`finish` keeps them); the target's cache holds the verified rows as `forward` leaves them."""
-    n = tree.capacity
+    n = tree.rows
     logits = target.forward_tensors(tree.tokens[:n], root_pos + tree.depths[:n], tree.visibility(root_pos))
     path, bonus = tree.greedy_path(logits, len(tree.levels))
     arrays = tree.read(path, bonus)

@@ -376,8 +376,8 @@ class StaticSteps:
         end = start + len(rows)
         if not 0 <= start <= self.length or any(not start <= r < self.length for r in rows):
             raise ValueError(f"keep({start}, {rows}) outside the {self.length} cached rows")
-        if rows and rows != list(range(start, end)):
-            index = torch.tensor(rows, device=self.device)
+        if rows and rows != list(range(start, end)):  # the index goes up without a wait (pinned, asynchronous)
+            index = self._upload(torch.tensor(rows), "keep").to(self.device, non_blocking=True)
             for keys, values in zip(self.keys, self.values):
                 keys[:, :, start:end] = keys.index_select(2, index)
                 values[:, :, start:end] = values.index_select(2, index)

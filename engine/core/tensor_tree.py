@@ -33,6 +33,7 @@ class TensorTree:
 
     def __init__(self, root_token: int, budget: int, device: torch.device):
         self.budget, self.capacity, self.device = int(budget), int(budget) + 1, device
+        self.rows = self.capacity  # rows the verification forward runs: the first `rows` slots hold every node
         size = self.capacity + 1  # + the dump slot
         zeros = lambda dtype: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
         self.tokens, self.parents, self.depths, self.ranks = (zeros(torch.long) for _ in range(4))
@@ -81,10 +82,27 @@ class TensorTree:
         frontier[position] = torch.where(keep, nodes, self.dump)
         return frontier[:width], torch.arange(width, device=self.device) < keep.sum()
 
-    def visibility(self, prefix: int) -> torch.Tensor:
-        """Bool [capacity, prefix + capacity] for the verification forward: each node sees the prefix, its ancestors
-        and itself; rows past the tree see their own column only."""
+    def keep_only(self, keep: torch.Tensor, rows: int) -> None:
+        """Keep the nodes where `keep` [capacity] (prefix-closed, the root included), in their order and renumbered
+        from 0, as `DraftTree.prune` does; the verification then runs `rows` rows (at least the nodes kept). The
+        levels' frontiers follow the renumbering (a dropped node's row counts as expanding nothing)."""
         n = self.capacity
+        order = torch.sort((~keep).to(torch.int8), stable=True).indices  # the kept nodes first, in id order
+        renumbered = torch.full((n + 1,), self.dump, dtype=torch.long, device=self.device)
+        renumbered[:n] = torch.where(keep, keep.long().cumsum(0) - 1, self.dump)
+        for values in (self.tokens, self.depths, self.q, self.path_q, self.ranks):
+            values[:n] = values[order]
+        self.parents[:n] = torch.where(order == 0, -1, renumbered[self.parents[order].clamp(min=0)])
+        self.ancestors[:n, :n] = self.ancestors[order][:, order]
+        self.count = keep.sum()
+        for level in self.levels:
+            level.frontier = renumbered[level.frontier]
+        self.rows = rows
+
+    def visibility(self, prefix: int) -> torch.Tensor:
+        """Bool [rows, prefix + rows] for the verification forward: each node sees the prefix, its ancestors and
+        itself; rows past the tree see their own column only."""
+        n = self.rows
         real = torch.arange(n, device=self.device) < self.count
         tree = self.ancestors[:n, :n] & real[:, None]
         tree.diagonal().fill_(True)
@@ -93,7 +111,7 @@ class TensorTree:
     def greedy_path(self, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy verification on the device: the nodes whose every token is the target's argmax after its parent,
         root first, padded with -1 to `depth` + 1, and the bonus token (the argmax after the last of them)."""
-        n = self.capacity
+        n = self.rows
         choice = logits[:n].argmax(dim=-1)
         real = torch.arange(n, device=self.device) < self.count
         match = real & (self.tokens[:n] == choice[self.parents[:n].clamp(min=0)])

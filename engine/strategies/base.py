@@ -217,9 +217,21 @@ class Strategy(RunHooks):
         `add_top_children` would: bool [W, K], a prefix of each row (the budget is the tree's to cut)."""
         raise NotImplementedError
 
+    def device_budget(self) -> int:
+        """The most drafted nodes the device phase's tree holds (its tensors' size)."""
+        return self.settings.budget
+
     def device_expandable(self, tree, nodes: torch.Tensor) -> torch.Tensor:
         """Whether each new node (tree.dump where none was added) is expanded by the next draft forward."""
         return torch.ones_like(nodes, dtype=torch.bool)
+
+    def device_next(self, tree, added: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next draft forward's frontier of `width` rows and which rows are real, from the level's new nodes
+        (`grow`'s slots): by default the expandable ones in id order, as a level-by-level builder takes them."""
+        return tree.compact(added, (added != tree.dump) & self.device_expandable(tree, added), width)
+
+    def device_finish(self, tree) -> None:
+        """After the last level, before verification: a strategy that re-ranks its tree prunes it here."""
 
     def device_built(self, tree: DraftTree) -> None:
         """The tree the device phase built, on the host: what a strategy learns from its own build."""

@@ -10,6 +10,8 @@ Re-ranking: keep the N nodes with the highest V. A child's V never exceeds its p
 shallower (then earlier) node, so the kept set is prefix-closed. Candidates live in the real tree while the draft
 works (the drafter needs their ids); the rest are pruned at the end and the drafter's rows remapped.
 """
+import torch
+
 from engine.strategies.base import Param, Strategy
 from engine.strategies.sizing import SizeCost, accepted_within, most_probable
 
@@ -51,3 +53,31 @@ class Eagle2(Strategy):
         ranked = sorted(range(1, len(tree)), key=lambda v: (-tree.path_q[v], tree.depths[v], v))
         if len(ranked) > c.n:
             drafter.remap(tree.prune([0] + ranked[: c.n]))
+
+    def device_plan(self) -> list[tuple[int, int]]:
+        """The root's forward, then `depth` forwards of the k-node beam, k children per node."""
+        return [(1, self.settings.k)] + [(self.settings.k, self.settings.k)] * self.settings.depth
+
+    def device_budget(self) -> int:
+        return self.settings.k + self.settings.depth * self.settings.k ** 2
+
+    def device_choose(self, tree, frontier, valid, probs) -> torch.Tensor:
+        return probs > 0
+
+    def device_next(self, tree, added, width) -> tuple[torch.Tensor, torch.Tensor]:
+        """The beam: the k new nodes of highest path probability, ties to the earlier node."""
+        real = added != tree.dump
+        order = torch.sort(tree.path_q[added].masked_fill(~real, -1.0), descending=True, stable=True).indices
+        return added[order[:width]], real[order[:width]]
+
+    def device_finish(self, tree) -> None:
+        """Re-rank: keep the N nodes of highest path probability (ties: shallower, then earlier), the root too."""
+        n = tree.capacity
+        ids = torch.arange(n, device=tree.device)
+        ranked = (ids > 0) & (ids < tree.count)
+        by_depth = torch.sort(tree.depths[:n].masked_fill(~ranked, n), stable=True).indices
+        order = by_depth[torch.sort(tree.path_q[by_depth].masked_fill(~ranked[by_depth], -1.0), descending=True,
+                                    stable=True).indices]
+        position = torch.empty_like(order)
+        position[order] = ids
+        tree.keep_only(ranked & (position < self.settings.n) | (ids == 0), min(n, self.settings.n + 1))

@@ -28,7 +28,8 @@ PROMPT = "def fib(n):\n    return"
 SAMPLED = Sampling(temperature=0.8, seed=7)
 # Every test file with CUDA-only tests except tests/test_verify_exact.py, which needs more than one call's limit on
 # a GPU (docs/experiments/cuda.md: two calls) and is run on its own there.
-TESTS = ("tests/test_static_steps.py", "tests/test_gpu_path.py", "tests/test_fused.py")
+TESTS = ("tests/test_static_steps.py", "tests/test_gpu_path.py", "tests/test_fused.py",
+         "tests/test_device_draft.py::test_cuda_graphs_device_phase_matches_the_host_path_and_syncs_once")
 PYTEST_MAX_S = 240.0
 RESERVE_S = 30.0  # the section starts no new pair or seeded check with less time than this left (pytest needs it)
 
