@@ -165,6 +165,18 @@ class DecodeRun:
         self.stop_reason = ""  # set when decoding must stop ("eos", "max_new_tokens", "stop_string")
         self.tree: DraftTree | None = None  # the last iteration's tree and target logits, until `complete` reads them
         self.logits: torch.Tensor | None = None
+        # set by `start`: the prompt's ids, the run's own strategy, both models' steps, the drafter (None for a
+        # strategy without a draft model), the seeded generator (None when greedy), the hooks, the machine's label
+        self.prompt_ids: list[int] = []
+        self.strategy: Strategy = decoder.strategy
+        self.target = None
+        self.drafter: Drafter | None = None
+        self.generator: torch.Generator | None = None
+        self.hooks: list[RunHooks] = []
+        self.machine = ""
+        # set by `prefill`: the width of the target's logits rows, seconds to the first token
+        self.width = 0
+        self.ttft = 0.0
 
     def __iter__(self):
         # Inference mode per call, not across yields: a consumer (a Gradio generator handler) may resume this
@@ -203,13 +215,13 @@ class DecodeRun:
         if limit and len(self.prompt_ids) + self.stop.max_new_tokens + 1 > limit:
             raise PromptError(f"prompt ({len(self.prompt_ids)} tokens) + max_new_tokens exceeds the model's "
                               f"{limit} positions")
-        self.strategy: Strategy = copy.deepcopy(decoder.strategy)  # what it learns while decoding stays in this run
+        self.strategy = copy.deepcopy(decoder.strategy)  # what it learns while decoding stays in this run
         self.machine = machine_label(pair.device)  # what the run's speeds were measured on, once per run
         # At temperature > 0 the draft's q is the processed distribution (same rule as the target's p) and every
         # random draw of the run comes from one generator seeded with sampling.seed.
         self.generator = None if sampling.greedy else torch.Generator(device=pair.device).manual_seed(sampling.seed)
         process = softmax_processor if sampling.greedy else sampling.process
-        self.drafter: Drafter | None = None  # None for a strategy without a draft model
+        self.drafter = None
         if self.strategy.uses_draft:
             steps = decoder.model_steps("draft", len(self.prompt_ids), self.stop.max_new_tokens)
             self.drafter = Drafter(pair.draft, process, self.generator, steps)
@@ -217,7 +229,7 @@ class DecodeRun:
         self.target = decoder.model_steps("target", len(self.prompt_ids), self.stop.max_new_tokens)
         info = RunInfo(pair, self.strategy, self.target, self.drafter, decoder.costs, sampling, decoder.verifier.name)
         plugins = [plugin(info) for plugin in decoder.plugins]
-        self.hooks: list[RunHooks] = [self.strategy, *(hooks for hooks in plugins if hooks is not None)]
+        self.hooks = [self.strategy, *(hooks for hooks in plugins if hooks is not None)]
         for hooks in self.hooks:
             hooks.begin(info)
 

@@ -540,10 +540,12 @@ def test_gate_leaves_out_lookup_rows_that_cost_more_than_they_return():
     assert strategy.room(tree, budget=24, match=2) == 23  # the gate off: lookup fills what the budget leaves
 
 
-def test_grafting_wraps_the_model_strategy_only_when_switched_on():
-    """Lookup grafting is a wrapper around the model strategy, not a base class: with the switch off the strategy is
-    the model's own class and never asks for the context; with it on, the wrapper owns the index and the gate and
-    everything else (its size knob, its feedback, its parameters) is the model strategy's."""
+def test_grafting_is_the_model_strategy_with_lookup_in_front_only_when_switched_on():
+    """Lookup grafting is a class in front of the model strategy's own, not a wrapper passing attributes through:
+    with the switch off the strategy is the model's own class and never asks for the context; with it on, it is an
+    instance of the model's class too, whose index and gate are grafting's and whose size knob, feedback and
+    parameters are the model strategy's own."""
+    import copy
     from engine.strategies.base import BudgetedStrategy
     from engine.strategies.graft import LookupGrafted
     for name in ("dynatree", "dyspec", "ddtree"):
@@ -551,8 +553,12 @@ def test_grafting_wraps_the_model_strategy_only_when_switched_on():
         assert isinstance(plain, BudgetedStrategy) and not isinstance(plain, LookupGrafted)
         assert not reads_context(plain) and not hasattr(plain, "gate")
         wrapped = make_strategy(name, "auto", lookup=True)
-        assert isinstance(wrapped, LookupGrafted) and type(wrapped.model) is type(plain)
+        assert isinstance(wrapped, LookupGrafted) and isinstance(wrapped, type(plain))
+        assert not hasattr(LookupGrafted, "__getattr__")
         assert reads_context(wrapped) and "topk" in wrapped.child_modes_used and wrapped.name == name
-        wrapped.resize(wrapped.size() - 1)  # the size knob is the model's: the wrapper reads the same config
-        assert getattr(wrapped.model.settings, wrapped.auto_param) == wrapped.size()
+        assert wrapped.preset == "auto" and wrapped.settings.lookup and wrapped.device_plan() is None
+        wrapped.resize(wrapped.size() - 1)  # the size knob is the model strategy's own
+        assert getattr(wrapped.settings, wrapped.auto_param) == wrapped.size()
+        twin = copy.deepcopy(wrapped)  # each run decodes with its own copy
+        assert type(twin) is type(wrapped) and twin.size() == wrapped.size() and twin.gate is not wrapped.gate
     assert not isinstance(make_strategy("lookup"), LookupGrafted)  # the lookup strategy has no model to graft onto

@@ -12,7 +12,7 @@ from engine.strategies.dynatree import DynaTree
 from engine.strategies.dyspec import DySpec
 from engine.strategies.eagle2 import Eagle2
 from engine.strategies.fixed import FixedTree
-from engine.strategies.graft import LookupGrafted, grafted
+from engine.strategies.graft import grafted
 from engine.strategies.linear import Linear
 from engine.strategies.lookup import Lookup
 from engine.strategies.salf import SALF
@@ -23,9 +23,9 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-def make_strategy(name: str, preset: str = "cpu", **params) -> Strategy | LookupGrafted:
-    """The strategy `name` under `preset` with `params` overriding it; with its `lookup` switch on, wrapped in
-    LookupGrafted (engine/strategies/graft.py)."""
+def make_strategy(name: str, preset: str = "cpu", **params) -> Strategy:
+    """The strategy `name` under `preset` with `params` overriding it; with its `lookup` switch on, of its grafted
+    class (engine/strategies/graft.py `grafted_class`)."""
     if name not in STRATEGIES:
         raise StrategyError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
     return grafted(STRATEGIES[name](preset, **params))

@@ -2,7 +2,8 @@
 
 A strategy offers the switch by being a `BudgetedStrategy` (its tree builder `build_within(drafter, tree, budget)`
 takes any budget) and adding GRAFT_PARAMS to its params (DynaTree, DySpec, DDTree). With `lookup` on, `make_strategy`
-wraps it in `LookupGrafted`, which owns the lookup index and the gate and hands everything else to the strategy:
+makes it of the strategy's grafted class (`grafted_class`: `LookupGrafted` in front of the strategy's own class), which
+adds the lookup index, the gate and the tree's lookup branches, and is the strategy in everything else:
 
 - Budget: the tree budget covers both. The model builds under `budget - reserve`, reserve = min(lookup_budget,
   budget // 2) (the model keeps at least half, also when the `auto` preset shrinks the budget); the lookup then fills
@@ -27,12 +28,13 @@ wraps it in `LookupGrafted`, which owns the lookup index and the gate and hands 
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import asdict
+from functools import cache
 
 from engine.core.lookup import LookupIndex, build_lookup_tree, follow
 from engine.core.reports import LookupReport
 from engine.core.tree import DraftTree
-from engine.strategies.base import BudgetedStrategy, Param
+from engine.strategies.base import BudgetedStrategy, Param, Strategy
 
 MAX_MATCH = 6    # longest context suffix looked up
 MAX_LEN = 8      # tokens taken after each match
@@ -131,32 +133,31 @@ def _mean(old: float | None, new: float) -> float:
     return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
-class LookupGrafted:
-    """A model strategy with lookup branches grafted into its trees. The wrapper owns what grafting adds (the index,
-    the gate, `build`, the run hooks it needs: `begin`, `before_build`, `observe`; the child modes); every other
-    attribute (and hook) is the model strategy's."""
+class LookupGrafted(BudgetedStrategy):
+    """Lookup branches grafted into a model strategy's trees, in front of that strategy's class (`grafted_class`):
+    what grafting adds (the index, the gate, `build`, the hooks it needs: `begin`, `before_build`, `observe`; the
+    child modes) is here, and each calls the strategy's own through `super()`; everything else is the strategy's."""
 
-    def __init__(self, model: BudgetedStrategy):
-        self.model = model
-        self.child_modes_used = tuple(dict.fromkeys((*model.child_modes_used, "topk")))
-        self.index = LookupIndex(model.settings.lookup_min_match, MAX_MATCH)
+    def __init__(self, preset: str = "cpu", **overrides):
+        super().__init__(preset, **overrides)
+        self.child_modes_used = tuple(dict.fromkeys((*self.child_modes_used, "topk")))
+        self.index = LookupIndex(self.settings.lookup_min_match, MAX_MATCH)
         self.gate = LookupGate()
         self.vocab_size, self.device, self.costs, self.alone = None, None, None, False
 
-    def __getattr__(self, name: str) -> Any:  # only for what the wrapper does not have itself
-        if name == "model":  # not set yet (copying, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.model, name)
+    def device_plan(self) -> None:
+        """None: the lookup reads the committed tokens on the host, so a grafted tree builds there."""
+        return None
 
     def begin(self, run) -> None:
         """The model strategy's own `begin`, and the pair's device and cost table for the lookup and its gate."""
-        self.model.begin(run)
+        super().begin(run)
         self.device, self.costs = run.pair.device, run.costs
 
     def before_build(self, committed: list[int], width: int) -> None:
         """Extend the index with the tokens committed since the last call (rebuilt when the context changed: a new
         context, which also starts a new gate record); the gate learns from those tokens."""
-        self.model.before_build(committed, width)
+        super().before_build(committed, width)
         seen = len(self.index.tokens)
         fresh = follow(self.index, committed)
         if fresh is not self.index or not seen:
@@ -176,7 +177,7 @@ class LookupGrafted:
         self.alone = bool(self.settings.lookup_gate) and self.gate.lookup_only(match, alone_s)
         lookup_s = time.perf_counter() - start
         if not self.alone:
-            self.model.build_within(drafter, tree, budget - min(self.settings.lookup_budget, budget // 2))
+            self.build_within(drafter, tree, budget - min(self.settings.lookup_budget, budget // 2))
         start = time.perf_counter()
         self.graft(tree, self.room(tree, budget, match))
         tree.lookup.seconds, tree.lookup.alone = lookup_s + time.perf_counter() - start, self.alone
@@ -212,7 +213,7 @@ class LookupGrafted:
         """The model strategy's feedback (DynaTree's history), except after a lookup-only iteration: the model
         drafted nothing then."""
         if not self.alone:
-            self.model.observe(accepted, drafted)
+            super().observe(accepted, drafted)
 
     def graft(self, tree: DraftTree, room: int) -> list[int]:
         """Merge lookup branches into `tree` within `room` new nodes: under the root, then below the model's most
@@ -238,9 +239,16 @@ def best_leaf(tree: DraftTree) -> int | None:
     return max(leaves, key=lambda v: (tree.path_q[v], -v), default=None)
 
 
-def grafted(strategy):
-    """`strategy` wrapped in LookupGrafted when it offers the switch and has it on; else `strategy` itself."""
+@cache
+def grafted_class(model: type[BudgetedStrategy]) -> type[LookupGrafted]:
+    """`model`'s grafted class, Grafted<Model>: LookupGrafted in front of it (one class per model, made once)."""
+    return type(f"Grafted{model.__name__}", (LookupGrafted, model), {"__module__": __name__})
+
+
+def grafted(strategy: Strategy) -> Strategy:
+    """`strategy` as its grafted class, with the same preset and settings, when it offers the switch and has it on;
+    else `strategy` itself."""
     if isinstance(strategy, BudgetedStrategy) and getattr(strategy.settings, "lookup", False):
-        return LookupGrafted(strategy)
+        return grafted_class(type(strategy))(strategy.preset, **asdict(strategy.settings))
     return strategy
 
