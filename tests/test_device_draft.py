@@ -186,3 +186,34 @@ def cuda_syncs_per_iteration(pair, phase: str, name: str) -> list[int]:
     for _ in run:
         pass
     return counts
+
+
+def test_grow_serves_tied_parents_in_frontier_order_and_cuts_the_budget_where_the_host_does():
+    """TensorTree.grow against the host builder's own step (`add_top_children`, parents by path probability, the
+    earlier first on ties), on distributions with tied parents, tied and zero children and a budget that runs out
+    within a parent's children: the same nodes, ids, q and path probabilities."""
+    from engine.core.tensor_tree import TensorTree
+    from engine.core.tree import DraftTree
+    from engine.strategies.base import Strategy
+    root = torch.tensor([[0.25, 0.25, 0.25, 0.25, 0.0, 0.0]], dtype=torch.float64)
+    level = torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0, 0.0], [0.4, 0.4, 0.2, 0.0, 0.0, 0.0],
+                          [0.6, 0.4, 0.0, 0.0, 0.0, 0.0], [0.9, 0.1, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    k, budget, tau = 3, 9, 0.05
+    host = DraftTree(root_token=7)
+    frontier = Strategy.add_top_children(host, 0, root[0], k, tau, budget)
+    order = sorted(range(len(frontier)), key=lambda i: -host.path_q[frontier[i]])
+    for i in order:
+        Strategy.add_top_children(host, frontier[i], level[i], k, tau, budget)
+
+    tree = TensorTree(7, budget, torch.device("cpu"))
+    nodes, valid = tree.root_frontier()
+    for dists in (root, level):
+        top, tokens = torch.topk(dists, k, dim=-1)
+        chosen = (top > 0) & (tree.path_q[nodes, None] * top >= tau)
+        added = tree.grow(nodes, valid, top, tokens, chosen)
+        nodes, valid = tree.compact(added, added != tree.dump, len(level))
+    count = int(tree.count)
+    assert count == len(host) == budget + 1  # the budget ran out inside a parent's children
+    assert tree.tokens[:count].tolist() == host.tokens and tree.parents[:count].tolist() == host.parents
+    assert tree.q[:count].tolist() == host.q and tree.path_q[:count].tolist() == host.path_q
+    assert tree.ranks[:count].tolist() == host.ranks

@@ -76,8 +76,10 @@ class TensorTree:
         return slot
 
     def compact(self, nodes: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next frontier: the `nodes` where `keep`, in their order, padded with the dump slot to `width`."""
-        position = torch.where(keep, keep.long().cumsum(0) - 1, width)
+        """The next frontier: the first `width` of the `nodes` where `keep`, in their order, padded with the dump slot
+        (a plan's widths bound what a level can add, so none is cut in a run; the bound keeps every index in range)."""
+        position = keep.long().cumsum(0) - 1
+        position = torch.where(keep & (position < width), position, width)
         frontier = torch.full((width + 1,), self.dump, dtype=torch.long, device=self.device)
         frontier[position] = torch.where(keep, nodes, self.dump)
         return frontier[:width], torch.arange(width, device=self.device) < keep.sum()
