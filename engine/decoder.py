@@ -232,6 +232,8 @@ class DecodeRun:
         self.hooks = [self.strategy, *(hooks for hooks in plugins if hooks is not None)]
         for hooks in self.hooks:
             hooks.begin(info)
+        if self.drafter is not None:
+            self.drafter.watchers = [hooks.drafted for hooks in self.hooks if hooks.watches_draft_rows()]
 
     def prefill(self) -> None:
         """The prompt fills the target cache; its last row gives the first token, the first root."""

@@ -60,6 +60,12 @@ class Cover(Strategy):
     def begin(self, run) -> None:
         self.taps = neural.FeatureTaps.of_run(run)
 
+    def watches_draft_rows(self) -> bool:
+        return True
+
+    def drafted(self, nodes, dists) -> None:
+        self.taps.see_rows(nodes, dists)
+
     def after_target(self, logits, row: int) -> None:
         self.taps.after_target(logits, row)
 

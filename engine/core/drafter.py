@@ -36,7 +36,7 @@ class Drafter:
         self.seconds = 0.0
         # Callbacks that see every processed draft row as it is made: (nodes, q [k, V]); node DREW_ROOT is the row
         # before the root, which drew it (kept by the root forward only when someone watches and the previous token
-        # is pending). Set by a strategy's `begin` hook (the neural selector's features); none: nothing extra is kept.
+        # is pending). The run sets them from its hooks (RunHooks.drafted); none: nothing extra is kept.
         self.watchers: list[Callable[[list[int], torch.Tensor], None]] = []
 
     @property

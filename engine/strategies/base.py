@@ -7,14 +7,14 @@ preset tuned on a 2-core CPU, a "paper" preset with the source paper's values, a
 (`auto_param`) the `auto` sizer retunes every iteration from the measured cost table, and how it draws children
 (which decides the verification rules that can check its trees losslessly when sampling).
 
-A run talks to its strategy, and to its plug-ins, through `RunHooks` only (the run began, before a tree, after the
-target's logits, after verification, the record made): context lookup sees the committed tokens, the neural selector
+A run talks to its strategy, and to its plug-ins, through `RunHooks` only (the run began, before a tree, the draft's
+rows, after the target's logits, after verification, the record made): context lookup sees the committed tokens, the neural selector
 taps its features, and the `auto` sizer (engine/measure/autosize.py) resizes the tree, each in its own module.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, make_dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -66,14 +66,43 @@ class Param:
         return value
 
 
+class PairView(Protocol):
+    """What a hook reads of the run's pair (engine/models/pair.py ModelPair, a room above this one)."""
+    device: torch.device
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+
+
+class CostTable(Protocol):
+    """What a hook reads of the pair's measured cost table (engine/measure/costs.py PairCosts, a room above)."""
+
+    @property
+    def c(self) -> float | None: ...
+
+    def t(self, rows: int) -> float: ...
+
+    def predict(self, draft_rows: list[int], verify_rows: int, context: int | None = None) -> dict[str, float]: ...
+
+
+class ModelSteps(Protocol):
+    """A model's forwards and KV cache (engine/core/steps.py DynamicSteps or StaticSteps)."""
+    length: int
+    last_hidden: torch.Tensor | None
+
+    def forward(self, tokens: list[int], positions, visible: torch.Tensor | None = None,
+                last: int = 0) -> torch.Tensor: ...
+
+    def keep(self, start: int, rows: list[int]) -> None: ...
+
+
 @dataclass(frozen=True)
 class RunInfo:
     """What a run hands its hooks when it begins (`RunHooks.begin`)."""
-    pair: Any                   # the ModelPair (engine/models/pair.py)
+    pair: PairView
     strategy: "Strategy"        # the run's own strategy (a fresh copy of the decoder's)
-    target: Any                 # the target's steps (engine/core/steps.py): its forwards, its KV cache, `last_hidden`
+    target: ModelSteps          # the target's forwards, its KV cache, `last_hidden`
     drafter: Drafter | None     # the draft side; None for a strategy without a draft model
-    costs: Any                  # the measured cost table as this run's forwards run (PairCosts), or None
+    costs: CostTable | None     # the measured cost table as this run's forwards run, or None
     sampling: Sampling
     rule: str                   # the verification rule's name
 
@@ -92,6 +121,15 @@ class RunHooks:
     def rests(self) -> bool:
         """Whether this iteration drafts nothing (an AR step: the tree is the root alone)."""
         return False
+
+    def watches_draft_rows(self) -> bool:
+        """Whether `drafted` should see the draft's rows (asked once, after `begin`): watching makes the root's
+        forward keep one more row and keeps a tree's choices on the host."""
+        return False
+
+    def drafted(self, nodes: list[int], dists: torch.Tensor) -> None:
+        """Every processed draft row as the drafter makes it (q [k, V] of `nodes`); node DREW_ROOT (-1,
+        engine/core/drafter.py) is the row before the root, which drew it."""
 
     def after_target(self, logits: torch.Tensor, row: int) -> None:
         """After each target forward (the prefill's too, `row` -1), before verification is committed: its logits and

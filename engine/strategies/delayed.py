@@ -77,6 +77,12 @@ class Delayed(Strategy):
         if self.settings.neural_selector:
             self.taps = neural.FeatureTaps.of_run(run)
 
+    def watches_draft_rows(self) -> bool:
+        return self.taps is not None
+
+    def drafted(self, nodes: list[int], dists: torch.Tensor) -> None:
+        self.taps.see_rows(nodes, dists)
+
     def after_target(self, logits: torch.Tensor, row: int) -> None:
         if self.taps is not None:
             self.taps.after_target(logits, row)

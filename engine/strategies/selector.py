@@ -101,8 +101,8 @@ def scalar_features(p_prev, q_prev, q_root, context: int, temperature: float, to
 
 class FeatureTaps:
     """The features at the root, gathered through the run's hooks: the target's state at the previous position (handed
-    over after every target forward, `after_target`), the q that drew the root (the drafter's rows, `see_rows`, a
-    drafter watcher), and the draft's root row, read from both models' steps (`last_hidden`)."""
+    over after every target forward, `after_target`), the q that drew the root (the drafter's rows, `see_rows`, from
+    its strategy's `drafted` hook), and the draft's root row, read from both models' steps (`last_hidden`)."""
 
     def __init__(self, pair, sampling, rule: str, target_steps, draft_steps, costs=None):
         for model in (pair.target, pair.draft):
@@ -121,13 +121,13 @@ class FeatureTaps:
 
     @classmethod
     def of_run(cls, run) -> "FeatureTaps":
-        """The taps of a run that began (engine/strategies/base.py RunInfo), watching its drafter's rows."""
-        taps = cls(run.pair, run.sampling, run.rule, run.target, run.drafter.steps, run.costs)
-        run.drafter.watchers.append(taps.see_rows)
-        return taps
+        """The taps of a run that began (engine/strategies/base.py RunInfo); its strategy hands them the drafter's
+        rows (`see_rows`) from its `drafted` hook."""
+        return cls(run.pair, run.sampling, run.rule, run.target, run.drafter.steps, run.costs)
 
     def see_rows(self, nodes: list[int], dists: torch.Tensor) -> None:
-        """A drafter watcher (engine/core/drafter.py): each expanded node's q, and the q that drew the root."""
+        """The draft's rows as its strategy's `drafted` hook hears them: each expanded node's q, and the q that drew
+        the root."""
         if nodes == [DREW_ROOT]:
             self.prev_dist = dists[0]
             return
