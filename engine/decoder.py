@@ -127,10 +127,7 @@ class Decoder:
         return DecodeRun(self, prompt, StopRule(int(max_new_tokens), eos, tuple(s for s in stop_strings if s)))
 
     def generate(self, prompt: Prompt, **kwargs) -> RunResult:
-        run = self.run(prompt, **kwargs)
-        for _ in run:
-            pass
-        return run.result
+        return self.run(prompt, **kwargs).to_end()
 
     def model_steps(self, role: str, prompt_len: int, max_new_tokens: int):
         """A model's steps for a new run: the dynamic path, or the pair's static steps reset (built once per pair and
@@ -195,6 +192,13 @@ class DecodeRun:
             self._paused_at = None
         synchronize(self.decoder.pair.device)
         self.result = self.run_result(time.perf_counter() - self.started - self.paused_s)
+
+    def to_end(self, between: Callable[[], None] | None = None) -> RunResult:
+        """Decode to the end, unobserved, calling `between` after every iteration (it may raise to stop the run)."""
+        for _ in self:
+            if between is not None:
+                between()
+        return self.result
 
     def snapshot(self) -> RunResult | None:
         """The run so far as a RunResult: metrics over the iterations done, decoding wall time up to the last

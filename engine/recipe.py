@@ -107,10 +107,7 @@ def start_run(pair, spec: RunSpec, verifier: Verifier | None = None) -> DecodeRu
 
 def generate(pair, spec: RunSpec, verifier: Verifier | None = None) -> RunResult:
     """`spec` decoded to the end on `pair`."""
-    run = start_run(pair, spec, verifier)
-    for _ in run:
-        pass
-    return run.result
+    return start_run(pair, spec, verifier).to_end()
 
 
 def check_spec(spec: RunSpec) -> None:

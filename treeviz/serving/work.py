@@ -100,10 +100,7 @@ def gpu_seconds(pair_name: str, tokens: int) -> int:
 
 def run_to_end(pair, spec: RunSpec, ticket: Ticket) -> RunResult:
     """`spec` decoded to its end, unobserved; Cancelled if the ticket's flag goes up between iterations."""
-    run = start_run(pair, spec)
-    for _ in run:
-        ticket.check()
-    return run.result
+    return start_run(pair, spec).to_end(ticket.check)
 
 
 def measured(key: tuple, result: RunResult) -> tuple[Baseline, ARMeasured]:
