@@ -27,6 +27,8 @@ PLANNED = [
     ("eagle2", {}),
     ("eagle2", {"k": 3, "depth": 3, "n": 10}),  # the re-ranking prunes the beam's tree
     ("eagle2", {"depth": 0}),
+    ("linear", {}),  # the cpu preset's chain ends after a token below q = 0.5
+    ("linear", {"k": 3, "stop_below": 0.0}),
 ]
 
 
@@ -94,7 +96,7 @@ def test_one_read_to_the_host_per_iteration(name):
     assert min(reads_per_iteration(pair, "host", name)) > 1  # the host path reads per level: the count can fail
 
 
-@pytest.mark.parametrize("name", ["dyspec", "ddtree", "salf", "linear", "delayed"])
+@pytest.mark.parametrize("name", ["dyspec", "ddtree", "salf", "delayed"])
 def test_strategies_without_a_plan_stay_on_the_host(pair64, name):
     assert decode(pair64, name, {}, "device").output_ids == decode(pair64, name, {}, "host").output_ids
 

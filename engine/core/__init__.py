@@ -3,7 +3,7 @@
   tree.py         one iteration's draft tree (node 0 = the root)
   drafter.py      batched draft expansion: one draft forward per batch of frontier nodes, under a tree mask
   device_draft.py the draft phase and greedy verification queued on the device for strategies that plan their trees
-                  in fixed-size levels (fixed, DynaTree, EAGLE-2): one read to the host per iteration
+                  in fixed-size levels (fixed, DynaTree, EAGLE-2, linear): one read to the host per iteration
   tensor_tree.py  a tree as device tensors of fixed shapes, grown level by level without reading the device
   steps.py        each model's forwards and KV cache: dynamic (the eager reference), or static with row-count
                   buckets, running whatever forward the device installed (transformers' own, engine/cuda's fused

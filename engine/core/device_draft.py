@@ -3,7 +3,7 @@
 On the host path every level of a tree reads the draft's probabilities back (to choose children in Python) and the
 verification reads the target's argmax: on a GPU each read waits for the device to drain, several times per
 iteration. Here a strategy that can say its tree as fixed-size levels (`Strategy.device_plan`: the fixed tree,
-DynaTree, EAGLE-2) grows it as tensors (tensor_tree.py), every draft forward and the target's forward take device inputs
+DynaTree, EAGLE-2, the linear chain) grows it as tensors (tensor_tree.py), every draft forward and the target's forward take device inputs
 (`steps.forward_tensors`), greedy verification runs on the device, and one read brings back the tree and the
 accepted path. The tree, the tokens and the records are the host path's for the same distributions (tests/
 test_device_draft.py); what differs is the work: every level runs at its planned width whether or not the tree

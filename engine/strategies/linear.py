@@ -47,3 +47,17 @@ class Linear(Strategy):
                 node = tree.add(node, token, float(dist[token]), int((dist > dist[token]).sum()))
             if tree.q[node] < self.settings.stop_below:
                 break
+
+    def device_plan(self) -> list[tuple[int, int]]:
+        """K forwards of one row each: the top-1 chain (the device phase runs at temperature 0 only)."""
+        return [(1, 1)] * self.settings.k
+
+    def device_budget(self) -> int:
+        return self.settings.k
+
+    def device_choose(self, tree, frontier, valid, probs) -> torch.Tensor:
+        return probs > 0
+
+    def device_expandable(self, tree, nodes) -> torch.Tensor:
+        """The chain ends after a token whose q is below `stop_below`."""
+        return tree.q[nodes] >= self.settings.stop_below

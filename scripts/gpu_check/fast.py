@@ -7,8 +7,8 @@ CUDA, so the pair's cost table is measured through its graphed static steps: eng
   tables      the graphed table (c, t(n) per rung of engine/core/steps.py LADDER, seconds per rung) and, on CUDA, the
               eager one (engine/measure/costs.py `measure`, a growing cache);
   end_to_end  AR through the pair's one-row graph (engine/capture/captured_ar.py, the bench's `ar-captured`), DynaTree
-              at ~16 nodes on the host draft phase and on the device one (engine/core/device_draft.py: one read per
-              iteration, every planned level run) and a graphed linear chain; each iteration's measured seconds
+              at ~16 nodes and a graphed linear chain, each on the host draft phase and on the device one
+              (engine/core/device_draft.py: one read per iteration, every planned level run); each iteration's measured seconds
               against its table price.
               Random models accept nothing (L ~ 1), so the speedup is predicted at an assumed L-bar (ASSUMED_L, read
               from a measured CPU bench of the real pair) with the performance model of ARCHITECTURE.md:
@@ -159,11 +159,13 @@ def end_to_end(pair, tokens: int, lbar: float) -> dict:
     out = {"tokens": tokens, "ar": {"tpot_ms": 1e3 * ar["tpot_s"], "table_step_ms": 1e3 * step}}
     for label, strategy, params, phase in (("dynatree", "dynatree", DYNATREE, "host"),
                                            ("dynatree_device", "dynatree", DYNATREE, "device"),
-                                           ("chain", "linear", CHAIN, "host")):
+                                           ("chain", "linear", CHAIN, "host"),
+                                           ("chain_device", "linear", CHAIN, "device")):
         spec = RunSpec(pair="shape", prompt=PROMPT, strategy=strategy, params=params, max_new_tokens=tokens,
                        stop_on_eos=False, draft_phase=phase)
         generate(pair, spec.warm_up())
-        out[label] = iteration_stats(generate(pair, spec), ar["tpot_s"], step, None if label == "chain" else lbar)
+        out[label] = iteration_stats(generate(pair, spec), ar["tpot_s"], step,
+                                     None if label.startswith("chain") else lbar)
     return out
 
 
@@ -274,7 +276,7 @@ def summarise(result: dict) -> list[str]:
         lines += table_lines(p)
         for key, error in p.get("errors", {}).items():
             lines += [f"- {key} failed:", "```", error, "```"]
-        for label in ("dynatree", "dynatree_device", "chain") if "end_to_end" in p else ():
+        for label in ("dynatree", "dynatree_device", "chain", "chain_device") if "end_to_end" in p else ():
             e = p["end_to_end"][label]
             line = (f"- {label}: {e['drafted_nodes']:.0f} nodes, {e['draft_forwards']:.0f} draft forwards, iteration "
                     f"{e['iteration_ms']:.2f} ms (priced by the table {e['priced_ms']:.2f} ms, overhead "
