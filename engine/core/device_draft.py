@@ -3,11 +3,12 @@
 On the host path every level of a tree reads the draft's probabilities back (to choose children in Python) and the
 verification reads the target's argmax: on a GPU each read waits for the device to drain, several times per
 iteration. Here a strategy that can say its tree as fixed-size levels (`Strategy.device_plan`: the fixed tree,
-DynaTree, EAGLE-2, the linear chain) grows it as tensors (tensor_tree.py), every draft forward and the target's forward take device inputs
-(`steps.forward_tensors`), greedy verification runs on the device, and one read brings back the tree and the
-accepted path. The tree, the tokens and the records are the host path's for the same distributions (tests/
-test_device_draft.py); what differs is the work: every level runs at its planned width whether or not the tree
-fills it, and the target verifies the whole budget's rows, which a GPU pays little for and a CPU pays in full.
+DynaTree, EAGLE-2, the linear chain) grows it as tensors (tensor_tree.py), every draft forward and the target's
+forward take device inputs (`steps.forward_tensors`), greedy verification runs on the device, and one read brings
+back the tree and the accepted path. The tree, the tokens and the records are the host path's for the same
+distributions (tests/test_device_draft.py); what differs is the work: every level runs at its planned width whether
+or not the tree fills it, and the target verifies the whole budget's rows, which a GPU pays little for and a CPU
+pays in full (docs/experiments/2026-11-27-device-draft.md).
 """
 from __future__ import annotations
 
@@ -21,10 +22,7 @@ def device_plan(strategy, greedy: bool, watched: bool) -> list[tuple[int, int]] 
     """The strategy's plan where this iteration can run on the device: greedy decoding (sampled verification draws
     on the host), no watcher of the draft's rows (the neural selector reads them per level), a strategy that plans
     (`Strategy.device_plan`, which a lookup-grafted strategy does not); else None."""
-    if not greedy or watched:
-        return None
-    plan = getattr(type(strategy), "device_plan", None)
-    return None if plan is None else plan(strategy)
+    return None if not greedy or watched else strategy.device_plan()
 
 
 def draft(drafter, strategy, plan: list[tuple[int, int]], committed: list[int]) -> TensorTree:

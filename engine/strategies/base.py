@@ -8,8 +8,9 @@ preset tuned on a 2-core CPU, a "paper" preset with the source paper's values, a
 (which decides the verification rules that can check its trees losslessly when sampling).
 
 A run talks to its strategy, and to its plug-ins, through `RunHooks` only (the run began, before a tree, the draft's
-rows, after the target's logits, after verification, the record made): context lookup sees the committed tokens, the neural selector
-taps its features, and the `auto` sizer (engine/measure/autosize.py) resizes the tree, each in its own module.
+rows, after the target's logits, after verification, the record made): context lookup sees the committed tokens, the
+neural selector taps its features, and the `auto` sizer (engine/measure/autosize.py) resizes the tree, each in its
+own module.
 """
 from __future__ import annotations
 
