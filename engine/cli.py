@@ -54,9 +54,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "on an H100: docs/gpu.md). auto: both where they can be built")
     p.add_argument("--draft-phase", default="host", choices=("host", "device"),
                    help="where a tree's choices are made: host (default: a read of the draft's probabilities per "
-                        "level), or device (fixed tree, DynaTree, EAGLE-2 and the linear chain at temperature 0: the tree grown as tensors and "
-                        "read back once per iteration with the accepted path, at the cost of running every planned "
-                        "level; docs/gpu.md)")
+                        "level), or device (fixed tree, DynaTree, EAGLE-2 and the linear chain at temperature 0: the "
+                        "tree grown as tensors and read back once per iteration with the accepted path, at the cost "
+                        "of running every planned level; docs/gpu.md)")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the forward-cost table again instead of reading it from the cache")
     p.add_argument("--preset", default=None,

@@ -297,10 +297,13 @@ class DecodeRun:
         return tree, True
 
     def device_plan(self) -> list[tuple[int, int]] | None:
-        """The strategy's plan when this run grows trees on the device (engine/core/device_draft.py), else None."""
-        if self.decoder.draft_phase != "device" or self.drafter is None or self.decoder.verifier.name != "greedy":
+        """The strategy's plan (`Strategy.device_plan`; None for one whose choices need the host) when this run grows
+        trees on the device (engine/core/device_draft.py): greedy verification (a sampling rule draws its coins on the
+        host), a draft model, and no hook watching the draft's rows level by level; else None."""
+        decoder, drafter = self.decoder, self.drafter
+        if decoder.draft_phase != "device" or decoder.verifier.name != "greedy" or drafter is None or drafter.watchers:
             return None
-        return device_draft.device_plan(self.strategy, self.decoder.sampling.greedy, bool(self.drafter.watchers))
+        return self.strategy.device_plan()
 
     def verify(self, tree: DraftTree | TensorTree, root_pos: int) -> tuple[DraftTree, torch.Tensor, Verdict]:
         """One target forward over [root, n1..nk] at positions P + depth under the ancestor-only mask, then the

@@ -42,17 +42,14 @@ CLASSES = {
 NEEDS = {"avx2": ("avx2", "fma"), "avx512-bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")}
 
 
-def missing(cpu_class: str, cpuinfo: str | None = None) -> list[str]:
-    """The instructions `cpu_class` needs that this machine lacks (none: it can act as that class)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return []  # not Linux: the libraries will say
-    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")),
-                     []))
-    return [flag for flag in NEEDS[cpu_class] if flag not in flags]
+def missing(cpu_class: str, flags: str | None = None) -> list[str]:
+    """The instructions `cpu_class` needs that this machine lacks, or the CPU whose `flags` are given (none: it can
+    act as that class; none either where the machine does not list its flags: the libraries will say)."""
+    if flags is None:
+        from engine.measure.costs import cpu_info  # imported here: torch comes with it
+        flags = cpu_info()["flags"]
+    present = set(flags.split())
+    return [flag for flag in NEEDS[cpu_class] if present and flag not in present]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ host lists itself, which never live on the device: the static steps' staging of 
 from __future__ import annotations
 
 import sys
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -51,3 +52,18 @@ def counted_reads(models):
             setattr(torch.Tensor, name, original)
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def counted_syncs():
+    """Yields a dict whose "reads" counts, once the block has run, the synchronisations CUDA's own sync debug mode
+    warns of (every call that waits for the device)."""
+    state = {"reads": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield state
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    state["reads"] = sum("synchroniz" in str(w.message) for w in caught)

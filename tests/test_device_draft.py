@@ -17,7 +17,7 @@ from engine.decoder import Decoder
 from engine.models.tiny import tiny_random_pair
 from engine.core.sampling import Sampling
 from engine.strategies import make_strategy
-from host_reads import counted_reads
+from host_reads import counted_reads, counted_syncs
 
 PLANNED = [
     ("fixed", {}),
@@ -86,21 +86,25 @@ def test_float32_tokens_match_the_host_path(name):
     assert device.output_ids == host.output_ids
 
 
-def reads_per_iteration(pair, phase, name="dynatree"):
+def per_iteration(pair, phase: str, name: str, counter) -> list[int]:
+    """The reads `counter()` (a context manager yielding {"reads": n}) counts in each iteration of a run."""
     run = Decoder(pair, make_strategy(name), steps="static", draft_phase=phase).run(
         "hello world", max_new_tokens=30, stop_on_eos=False)
     counts, iterate = [], run.iterate
 
     def counted():
-        with counted_reads([pair.target, pair.draft]) as state:
+        with counter() as state:
             record = iterate()
         counts.append(state["reads"])
         return record
 
     run.iterate = counted
-    for _ in run:
-        pass
+    run.to_end()
     return counts
+
+
+def reads_per_iteration(pair, phase: str, name: str) -> list[int]:
+    return per_iteration(pair, phase, name, lambda: counted_reads([pair.target, pair.draft]))
 
 
 @pytest.mark.parametrize("name", ["fixed", "dynatree", "eagle2"])
@@ -180,26 +184,7 @@ def test_cuda_graphs_device_phase_matches_the_host_path_and_syncs_once(name):
 
 
 def cuda_syncs_per_iteration(pair, phase: str, name: str) -> list[int]:
-    import warnings
-    run = Decoder(pair, make_strategy(name), steps="static", draft_phase=phase).run(
-        "hello world", max_new_tokens=30, stop_on_eos=False)
-    counts, iterate = [], run.iterate
-
-    def counted():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                record = iterate()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchroniz" in str(w.message) for w in caught))
-        return record
-
-    run.iterate = counted
-    for _ in run:
-        pass
-    return counts
+    return per_iteration(pair, phase, name, counted_syncs)
 
 
 def test_grow_serves_tied_parents_in_frontier_order_and_cuts_the_budget_where_the_host_does():

@@ -18,13 +18,6 @@ from engine.core.tensor_tree import Level, TensorTree
 from engine.core.tree import DraftTree
 
 
-def device_plan(strategy, greedy: bool, watched: bool) -> list[tuple[int, int]] | None:
-    """The strategy's plan where this iteration can run on the device: greedy decoding (sampled verification draws
-    on the host), no watcher of the draft's rows (the neural selector reads them per level), a strategy that plans
-    (`Strategy.device_plan`, which a lookup-grafted strategy does not); else None."""
-    return None if not greedy or watched else strategy.device_plan()
-
-
 def draft(drafter, strategy, plan: list[tuple[int, int]], committed: list[int]) -> TensorTree:
     """The iteration's tree grown on the device by `plan`'s draft forwards, nothing read back."""
     root_pos, device = len(committed) - 1, drafter.device
@@ -57,12 +50,11 @@ def verify(tree: TensorTree, drafter, target, strategy, root_pos: int):
     expanded (`finish` keeps them); the target's cache holds the verified rows as `forward` leaves them."""
     n = tree.rows
     logits = target.forward_tensors(tree.tokens[:n], root_pos + tree.depths[:n], tree.visibility(root_pos))
-    path, bonus = tree.greedy_path(logits, len(tree.levels))
-    arrays = tree.read(path, bonus)
-    host = tree.host_tree(int(arrays[1][0]), arrays)
-    drafter.adopt(expanded_rows(tree, arrays))
+    back = tree.read(*tree.greedy_path(logits, len(tree.levels)))
+    host = tree.host_tree(back)
+    drafter.adopt({node: tree.levels[index].column + row for index, row, node in tree.expanded(back)})
     strategy.device_built(host)
-    return host, [int(node) for node in arrays[-2] if node >= 0], int(arrays[-1][0]), logits[:len(host)]
+    return host, back.path, back.bonus, logits[:len(host)]
 
 
 def draft_visibility(tree: TensorTree, frontier: torch.Tensor, valid: torch.Tensor, columns: torch.Tensor,
@@ -79,14 +71,3 @@ def draft_visibility(tree: TensorTree, frontier: torch.Tensor, valid: torch.Tens
     visible[own, column + own] = True
     return visible[:, :-1]
 
-
-def expanded_rows(tree: TensorTree, arrays: list[list[float]]) -> dict[int, int]:
-    """Node -> draft cache row of every node a draft forward expanded (the root: its own row)."""
-    levels = len(tree.levels)
-    rows = {}
-    for level, frontier in zip(tree.levels, arrays[5:5 + levels]):
-        for row, node in enumerate(frontier):
-            if int(node) == tree.dump:
-                continue
-            rows[int(node)] = level.column + row
-    return rows

@@ -278,15 +278,11 @@ class StaticSteps:
         if start + route.rows > self.max_len:
             self._grow(start + route.rows)
         ids, pos, mask = self._buffers(route.rows)
-        rows = route.rows
         ids[0, :n], pos[0, :n] = tokens, positions
         ids[0, n:], pos[0, n:] = tokens[-1], positions[-1]
-        m = mask[0, 0]
-        m.fill_(torch.finfo(self.dtype).min)
-        m[:n, :start + n].masked_fill_(visible, 0.0)
-        own = torch.arange(n, rows, device=self.device)
-        m[own, start + own] = 0
-        self._start.fill_(start)
+        mask.fill_(torch.finfo(self.dtype).min)
+        mask[0, 0, :n, :start + n].masked_fill_(visible, 0.0)
+        self._pad_and_start(mask, n, start)
         return self._run((ids, pos, mask), route, n, 0)
 
     def _run(self, inputs, route: Route, n: int, last: int) -> torch.Tensor:
@@ -329,11 +325,14 @@ class StaticSteps:
         m[:n, :shared] = 0
         block = self._upload(visible[:, shared:], "visible").to(self.device, non_blocking=True)
         m[:n, shared:start + n].masked_fill_(block, 0.0)
-        if pad:
-            own = torch.arange(n, rows, device=self.device)
-            m[own, start + own] = 0
-        self._start.fill_(start)
+        self._pad_and_start(mask, n, start)
         return ids, pos, mask
+
+    def _pad_and_start(self, mask: torch.Tensor, n: int, start: int) -> None:
+        """The staging's last step: padded rows n.. see their own column only, and the layers write from `start`."""
+        own = torch.arange(n, mask.shape[2], device=self.device)
+        mask[0, 0, own, start + own] = 0
+        self._start.fill_(start)
 
     def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The staging tensors' first `rows` rows (ids, positions, mask): fresh tensors beyond them."""

@@ -12,6 +12,7 @@ Slot `capacity` is a dump: writes of rejected candidates and padded frontier row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -28,11 +29,28 @@ class Level:
     column: int
 
 
+@dataclass
+class Readback:
+    """What the one read brings back (`TensorTree.read`), as Python values: the node arrays up to `count`, per level
+    the node each row expanded (the dump slot where none), its confidence (top q) and its q of the bonus token, the
+    accepted path (root first) and the bonus token."""
+    count: int
+    tokens: list[int]
+    parents: list[int]
+    q: list[float]
+    ranks: list[int]
+    expanded: list[list[int]]
+    confidences: list[list[float]]
+    bonus_qs: list[list[float]]
+    path: list[int]
+    bonus: int
+
+
 class TensorTree:
     """A tree of at most `budget` drafted nodes plus the root, as tensors on `device`."""
 
     def __init__(self, root_token: int, budget: int, device: torch.device):
-        self.budget, self.capacity, self.device = int(budget), int(budget) + 1, device
+        self.capacity, self.device = int(budget) + 1, device
         self.rows = self.capacity  # rows the verification forward runs: the first `rows` slots hold every node
         size = self.capacity + 1  # + the dump slot
         zeros = lambda dtype: torch.zeros(size, dtype=dtype, device=device)  # noqa: E731
@@ -124,40 +142,44 @@ class TensorTree:
         last = path.gather(0, (accepted.sum() - 1)[None])
         return path[: depth + 1], choice.gather(0, last)
 
-    def read(self, path: torch.Tensor, bonus: torch.Tensor) -> list[list[float]]:
-        """The one read to the host: the tree's arrays, its levels' expanded nodes (the dump slot for a row that
-        expanded none), their confidences and q of the `bonus` token, the accepted `path` and the bonus, as lists of
-        floats (float64 holds every token id and the float32 probabilities exactly)."""
+    def read(self, path: torch.Tensor, bonus: torch.Tensor) -> Readback:
+        """The one read to the host: the tree's arrays, its levels' expanded nodes, their confidences and q of the
+        `bonus` token, the accepted `path` and the bonus (one float64 copy: it holds every token id and the float32
+        probabilities exactly)."""
         levels = self.levels
         parts = [self.count[None], self.tokens, self.parents, self.q, self.ranks,
                  *(torch.where(level.valid, level.frontier, self.dump) for level in levels),
                  *(level.dists.max(dim=-1).values for level in levels),
                  *(level.dists.index_select(1, bonus).reshape(-1) for level in levels), path, bonus]
-        sizes = [len(p) for p in parts]
         flat = torch.cat([p.reshape(-1).double() for p in parts]).tolist()
-        out, at = [], 0
-        for size in sizes:
-            out.append(flat[at:at + size])
-            at += size
-        return out
+        lists, at = [], 0
+        for part in parts:
+            lists.append(flat[at:at + len(part)])
+            at += len(part)
+        ints = lambda values: [int(v) for v in values]  # noqa: E731
+        count, tokens, parents, q, ranks = int(lists[0][0]), *lists[1:5]
+        per_level = [lists[5 + i * len(levels):5 + (i + 1) * len(levels)] for i in range(3)]
+        return Readback(count, ints(tokens[:count]), ints(parents[:count]), q[:count], ints(ranks[:count]),
+                        [ints(nodes) for nodes in per_level[0]], *per_level[1:],
+                        [int(node) for node in lists[-2] if node >= 0], int(lists[-1][0]))
 
-    def host_tree(self, root_token: int, arrays: list[list[float]]) -> DraftTree:
-        """The host tree (tree.py) from `read`'s arrays: the same nodes, values, confidences and draft
-        distributions (device views) the host path records."""
-        count, tokens, parents, q, ranks = int(arrays[0][0]), *arrays[1:5]
-        levels = len(self.levels)
-        frontiers, confidences = arrays[5:5 + levels], arrays[5 + levels:5 + 2 * levels]
-        tree = DraftTree(root_token=root_token)
-        for node in range(1, count):
-            tree.add(int(parents[node]), int(tokens[node]), q[node], int(ranks[node]))
-        bonus_qs, last = arrays[5 + 2 * levels:5 + 3 * levels], max(int(node) for node in arrays[-2])
-        for level, frontier, confidence, bonus_q in zip(self.levels, frontiers, confidences, bonus_qs):
-            for row, node in enumerate(frontier):
-                if int(node) == self.dump:
-                    continue
-                tree.confidence[int(node)] = confidence[row]
-                tree.child_dist[int(node)] = level.dists[row]
-                tree.child_mode[int(node)] = "topk"
-                if int(node) == last:
-                    tree.bonus_q = bonus_q[row]
+    def expanded(self, back: Readback) -> Iterator[tuple[int, int, int]]:
+        """(level index, row, node) of every row that expanded a node."""
+        for index, nodes in enumerate(back.expanded):
+            for row, node in enumerate(nodes):
+                if node != self.dump:
+                    yield index, row, node
+
+    def host_tree(self, back: Readback) -> DraftTree:
+        """The host tree (tree.py) from the read: the same nodes, values, confidences and draft distributions
+        (device views) the host path records, and the bonus token's q."""
+        tree = DraftTree(root_token=back.tokens[0])
+        for node in range(1, back.count):
+            tree.add(back.parents[node], back.tokens[node], back.q[node], back.ranks[node])
+        for index, row, node in self.expanded(back):
+            tree.confidence[node] = back.confidences[index][row]
+            tree.child_dist[node] = self.levels[index].dists[row]
+            tree.child_mode[node] = "topk"
+            if node == back.path[-1]:
+                tree.bonus_q = back.bonus_qs[index][row]
         return tree

@@ -253,8 +253,15 @@ class Strategy(RunHooks):
 
     def device_choose(self, tree, frontier: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Which of each frontier row's top-K children (`probs` [W, K], descending) this strategy adds, as
-        `add_top_children` would: bool [W, K], a prefix of each row (the budget is the tree's to cut)."""
-        raise NotImplementedError
+        `add_top_children` would: bool [W, K], a prefix of each row (the budget is the tree's to cut). Default: every
+        child the draft could have proposed."""
+        return self.device_likely(tree, frontier, probs, 0.0)
+
+    @staticmethod
+    def device_likely(tree, frontier: torch.Tensor, probs: torch.Tensor, min_path_q: float) -> torch.Tensor:
+        """`add_top_children`'s test as tensors: q > 0 and a path probability of at least `min_path_q`, multiplied
+        in float64 as Python multiplies the host path's."""
+        return (probs > 0) & (tree.path_q[frontier, None] * probs.double() >= min_path_q)
 
     def device_budget(self) -> int:
         """The most drafted nodes the device phase's tree holds (its tensors' size)."""

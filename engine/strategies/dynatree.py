@@ -136,7 +136,7 @@ class DynaTree(BudgetedStrategy):
                                                                                   breadth))
         rank = torch.arange(probs.shape[1], device=probs.device)
         tau = c.tau if c.pruning else 0.0
-        return (rank < breadth[:, None]) & (probs > 0) & (tree.path_q[frontier, None] * probs.double() >= tau)
+        return (rank < breadth[:, None]) & self.device_likely(tree, frontier, probs, tau)
 
     def device_expandable(self, tree, nodes) -> torch.Tensor:
         c, s = self.settings, self.state

@@ -61,9 +61,6 @@ class Eagle2(Strategy):
     def device_budget(self) -> int:
         return self.settings.k + self.settings.depth * self.settings.k ** 2
 
-    def device_choose(self, tree, frontier, valid, probs) -> torch.Tensor:
-        return probs > 0
-
     def device_next(self, tree, added, width) -> tuple[torch.Tensor, torch.Tensor]:
         """The beam: the k new nodes of highest path probability, ties to the earlier node."""
         real = added != tree.dump

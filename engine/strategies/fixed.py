@@ -40,4 +40,4 @@ class FixedTree(Strategy):
         return self.level_widths(self.settings.depth, self.settings.branch, self.settings.budget)
 
     def device_choose(self, tree, frontier, valid, probs) -> torch.Tensor:
-        return (probs > 0) & (tree.path_q[frontier, None] * probs.double() >= self.settings.tau)
+        return self.device_likely(tree, frontier, probs, self.settings.tau)

@@ -55,9 +55,6 @@ class Linear(Strategy):
     def device_budget(self) -> int:
         return self.settings.k
 
-    def device_choose(self, tree, frontier, valid, probs) -> torch.Tensor:
-        return probs > 0
-
     def device_expandable(self, tree, nodes) -> torch.Tensor:
         """The chain ends after a token whose q is below `stop_below`."""
         return tree.q[nodes] >= self.settings.stop_below
