@@ -566,7 +566,22 @@ def bf16_rounded_tiny():
     return ref
 
 
+def count_gguf_parses(monkeypatch) -> list[str]:
+    """The files gguf's reader parses from now on, one entry per parse."""
+    import gguf
+
+    parsed, reader = [], gguf.GGUFReader
+
+    def counted(path, *args, **kwargs):
+        parsed.append(str(path))
+        return reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    return parsed
+
+
 def test_default_path_assembles_converts_caches_and_reloads(tiny_gguf_package, monkeypatch):
+    parsed = count_gguf_parses(monkeypatch)
     cache = cache_dir()
     (cache / "converted").mkdir(parents=True)
     stale = cache / "converted" / ".tmp-0123456789abcdef-999999999"  # left by a crashed run (no such pid)
@@ -586,6 +601,7 @@ def test_default_path_assembles_converts_caches_and_reloads(tiny_gguf_package, m
     assert tok.decode(tok.encode("héllo 🎉", add_special_tokens=False)) == "héllo 🎉"
     assert model.config._attn_implementation == "sdpa" and model.dtype == torch.float32
     assert 256 in models.eos_token_ids(model, tok)
+    assert len(parsed) == 1  # transformers asks three times (tokenizer, config, weights): one parse serves all
 
     sha = tiny_gguf_package.sha256[:16]
     assert sorted(p.name for p in (cache / "converted").iterdir()) == [sha, f"{sha}-float32"]  # stale temp gone
@@ -619,9 +635,11 @@ def test_failed_conversion_leaves_no_cache(tiny_gguf_package, monkeypatch):
     assert model.dtype == torch.bfloat16
 
 
-def test_gguf_file_loads_directly(tmp_path):
+def test_gguf_file_loads_directly(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "direct.gguf", tiny_random_model(0), tiny_tokenizer())
+    parsed = count_gguf_parses(monkeypatch)
     model, tok, name = load_model(str(path), dtype="fp32", device="cpu")
+    assert parsed == [str(path)]
     assert name == "direct (GGUF)"
     ids = torch.tensor([tok.encode("no bf16 rounding here")])
     with torch.no_grad():

@@ -34,8 +34,8 @@ from engine.core.kernels import (MODES, PACKED, QUANTISED, PackingError, check_q
 from engine.measure.costs import calibrate_pair, measure
 from engine.measure.formats import choose_formats, make_whole, plan_memory, weights_budget
 from engine.models.devices import cpu_has_fast_bf16, resolve_device, resolve_dtype
-from engine.models.packaged import (LOAD_WORK, PACKAGED, prepare_ahead, preparation_work, prepared_model_dir,
-                                    require_gguf_support)
+from engine.models.packaged import (LOAD_WORK, PACKAGED, one_parse_per_gguf, prepare_ahead, preparation_work,
+                                    prepared_model_dir, require_gguf_support)
 from engine.models.pair import (ModelLoadError, ModelPair, check_rollbackable, check_same_vocab, install_fused_steps,
                                short_error)
 from engine.models.progress import Progress, say, span
@@ -161,9 +161,10 @@ def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | st
             raise ModelLoadError(f"GGUF file {spec!r} does not exist. Give the path to an existing .gguf file.")
         display = f"{path.stem} (GGUF)"
         require_gguf_support()
-        model, tok = _load_pretrained(path.parent, gguf_file=path.name, display=display, spec=spec, role=role,
-                                      dtype=dtype, device=device, trust_remote_code=trust_remote_code, hub=False,
-                                      progress=progress)
+        with one_parse_per_gguf():
+            model, tok = _load_pretrained(path.parent, gguf_file=path.name, display=display, spec=spec, role=role,
+                                          dtype=dtype, device=device, trust_remote_code=trust_remote_code, hub=False,
+                                          progress=progress)
         return model, tok, display
     if path.is_dir():
         display = f"{path.resolve().name} (local)"

@@ -20,10 +20,12 @@ import multiprocessing
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -157,20 +159,35 @@ def _remove_stale_temps(folder: Path) -> None:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
+@contextmanager
+def one_parse_per_gguf() -> Iterator[None]:
+    """Within the block, gguf's reader parses each file once, however often transformers asks for it.
+
+    transformers' GGUF path for qwen2 (and most architectures) builds a new `gguf.GGUFReader` for the tokenizer's
+    config, the model's config and the weights, and each build walks all ~300k tokenizer strings: three parses of
+    ~15 s per model on a 2-core CPU (docs/experiments/2026-11-27-first-start.md). The reader is read-only (a
+    read-mode memory map and the fields parsed from it), so one serves every call."""
+    import gguf
+
+    make, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = make(path, mode)
+        return readers[key]
+
+    with patch.object(gguf, "GGUFReader", reader):
+        yield
+
+
 def convert_gguf(gguf: Path, out: Path, *, progress: Progress | None = None, source: dict | None = None) -> Path:
     """Dequantise a GGUF checkpoint once and save it as plain safetensors + tokenizer in `out` (atomically)."""
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        # GGUF -> fast tokenizer conversion walks ~150k merges in Python: slow, but only this once.
-        say(progress, 0.0, f"converting tokenizer of {gguf.name} (about a minute, once)")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        say(progress, 0.35, f"dequantising {gguf.name} (a minute or two, once)")
-        with forward_gguf_tqdm(span(progress, 0.35, 0.85), f"dequantising {gguf.name}"):
-            # dequantize=True: plain dense weights (we need sdpa + tree masks, and no kernel download)
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=_CACHE_DTYPE, attn_implementation="sdpa",
-                quantization_config=GgufConfig(dequantize=True))
+        with one_parse_per_gguf():
+            model, tokenizer = _dequantised(gguf, progress)
         model.generation_config.eos_token_id = eos_token_ids(model, tokenizer)
         # save_pretrained refuses a model that carries the GGUF quantizer ("not serializable"). With dequantize=True
         # transformers 5.23 attaches none, but if a version does, the weights are still dense tensors: dropping the
@@ -189,6 +206,20 @@ def convert_gguf(gguf: Path, out: Path, *, progress: Progress | None = None, sou
         shutil.rmtree(tmp, ignore_errors=True)
     say(progress, 1.0, f"converted {gguf.name}")
     return out
+
+
+def _dequantised(gguf: Path, progress: Progress | None):
+    """(model in the cache's dtype, tokenizer) read from a GGUF file by transformers."""
+    # GGUF -> fast tokenizer conversion walks ~150k merges in Python: slow, but only this once.
+    say(progress, 0.0, f"converting tokenizer of {gguf.name} (about a minute, once)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    say(progress, 0.35, f"dequantising {gguf.name} (a minute or two, once)")
+    with forward_gguf_tqdm(span(progress, 0.35, 0.85), f"dequantising {gguf.name}"):
+        # dequantize=True: plain dense weights (we need sdpa + tree masks, and no kernel download)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=_CACHE_DTYPE, attn_implementation="sdpa",
+            quantization_config=GgufConfig(dequantize=True))
+    return model, tokenizer
 
 
 def _publish(tmp: Path, out: Path, info: dict) -> None:
