@@ -257,9 +257,10 @@ class DecodeRun:
         self.ttft = time.perf_counter() - self.started  # seconds to the first token
 
     def iterate(self) -> IterationRecord:
-        """One iteration: draft a tree, verify it in one target forward, keep the accepted rows, commit the tokens.
-        The record holds what decoding needs; `complete` adds what only its readers need. The stage keys are the
-        record's (engine/core/trace.py): "commit" times the caches keeping rows, "other" the record."""
+        """One iteration: draft a tree, verify it in one target forward, commit the accepted rows, record the
+        tokens. The record holds what decoding needs; `complete` adds what only its readers need. Each stage key
+        (engine/core/trace.py STAGES) is named for the method it times: "commit" the caches committing the accepted
+        rows, "record" the iteration's record."""
         committed = self.prompt_ids + self.generated
         root_pos = len(committed) - 1
         # the device phase reads the device once, in "verify": its stages are timed on the host, without a wait each
@@ -270,9 +271,9 @@ class DecodeRun:
         with clock("verify"):
             tree, logits, verdict = self.verify(tree, root_pos)
         with clock("commit"):
-            self.keep(tree, verdict.path, root_pos, built)
-        with clock("other"):
-            record = self.commit(tree, verdict, root_pos, params)
+            self.commit(tree, verdict.path, root_pos, built)
+        with clock("record"):
+            record = self.record(tree, verdict, root_pos, params)
         self.account(record, clock, built, len(tree))
         self.generated += record.new_tokens
         self.records.append(record)
@@ -320,8 +321,9 @@ class DecodeRun:
             hooks.after_target(logits, verdict.path[-1])  # the row that drew the next root
         return tree, logits, verdict
 
-    def keep(self, tree: DraftTree, path: list[int], root_pos: int, built: bool) -> None:
-        """Both caches keep the root and the accepted rows; the hooks hear what a built tree had accepted."""
+    def commit(self, tree: DraftTree, path: list[int], root_pos: int, built: bool) -> None:
+        """Both caches commit the root and the accepted rows (the rest are dropped); the hooks hear what a built tree
+        had accepted."""
         self.target.keep(root_pos + 1, [root_pos + node for node in path[1:]])
         if not built:
             return
@@ -330,7 +332,7 @@ class DecodeRun:
         for hooks in self.hooks:
             hooks.observe(len(path) - 1, tree.num_drafted)
 
-    def commit(self, tree: DraftTree, verdict: Verdict, root_pos: int, params: dict) -> IterationRecord:
+    def record(self, tree: DraftTree, verdict: Verdict, root_pos: int, params: dict) -> IterationRecord:
         """The tokens the verdict commits, cut where decoding must stop, in the iteration's record."""
         proposed = [tree.tokens[n] for n in verdict.path[1:]] + [verdict.bonus]
         new, self.stop_reason = self.stop.cut(self.decoder.pair.tokenizer, self.generated, proposed)

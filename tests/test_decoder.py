@@ -205,8 +205,8 @@ def test_records_are_consistent(related_pair, tmp_path):
                 assert it.nodes[n.parent].status in (REJECTED, UNREACHED)
         assert isinstance(it.times, StageTimes)
         times = dataclasses.asdict(it.times)
-        assert list(times) == ["draft", "build", "verify", "commit", "other", "total"]
-        stages = it.times.draft + it.times.build + it.times.verify + it.times.commit + it.times.other
+        assert list(times) == ["draft", "build", "verify", "commit", "record", "total"]
+        stages = it.times.draft + it.times.build + it.times.verify + it.times.commit + it.times.record
         assert it.times.total == pytest.approx(stages) and min(times.values()) >= 0.0
     assert len(result.token_sources) == len(result.output_ids)
     m = result.metrics
@@ -322,8 +322,8 @@ def test_the_stage_clock_times_back_to_back_stages_and_carves_out_the_draft(monk
     ticks = iter([10.0, 11.0, 13.5, 14.0, 14.25])
     monkeypatch.setattr(clock_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     clock = clock_module.StageClock(torch.device("cpu"))
-    for stage in ("build", "verify", "commit", "other"):
+    for stage in ("build", "verify", "commit", "record"):
         with clock(stage):
             pass
     assert clock.times(draft=0.25, within="build") == StageTimes(draft=0.25, build=0.75, verify=2.5, commit=0.5,
-                                                                 other=0.25, total=4.25)
+                                                                 record=0.25, total=4.25)

@@ -52,7 +52,7 @@ def make_iteration(index=0, n=30, seed=0, texts=None, resampled=False) -> Iterat
     return IterationRecord(index=index, position=10, nodes=nodes, accepted_path=path, bonus_token=7, bonus_text="!",
                            new_tokens=[1] * len(path), drafted=n - 1, accepted=len(path) - 1, draft_forwards=3,
                            params={}, times=StageTimes(draft=0.01, build=0.001, verify=0.02, commit=0.001,
-                                                        other=0.0, total=0.032))
+                                                        record=0.0, total=0.032))
 
 
 @pytest.mark.parametrize("seed", range(8))

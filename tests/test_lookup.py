@@ -428,7 +428,7 @@ def test_sources_survive_a_trace_round_trip_and_older_traces_read_as_model():
         for node in it["nodes"]:
             del node["source"]
     back = run_from_dict(old)
-    assert SCHEMA_VERSION == 6
+    assert SCHEMA_VERSION == 7
     assert all(s == ["root"] + ["model"] * (len(s) - 2) + ["target"]
                for s in ([n.source for n in it.nodes] for it in back.iterations))
 

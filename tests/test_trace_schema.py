@@ -1,4 +1,4 @@
-"""The run's typed records in a trace (schema 6): metrics, config, comparison, token sources and stage times load as
+"""The run's typed records in a trace (schema 7): metrics, config, comparison, token sources and stage times load as
 dataclasses; older traces (the gallery's are schema 2) convert on load; a round trip changes nothing."""
 import copy
 import json
@@ -22,16 +22,16 @@ def fresh(related_pair):
                                                                     stop_on_eos=False)
 
 
-def test_schema_is_6_and_the_json_keeps_the_field_names(fresh):
+def test_schema_is_7_and_the_json_keeps_the_field_names(fresh):
     data = json.loads(fresh.to_json())
-    assert SCHEMA_VERSION == 6 and data["schema_version"] == 6
+    assert SCHEMA_VERSION == 7 and data["schema_version"] == 7
     assert set(data["metrics"]) == {
         "new_tokens", "iterations", "total_s", "ttft_s", "tpot_s", "tokens_per_s", "mean_tokens_per_iter",
         "mean_accepted_len", "acceptance_rate", "acceptance_by_source", "per_depth_acceptance", "mean_drafted",
         "mean_draft_forwards", "stage_s", "cost_drift", "speedup_vs_ar"}
-    assert set(data["metrics"]["stage_s"]) == {"draft", "build", "verify", "commit", "other", "total"}
+    assert set(data["metrics"]["stage_s"]) == {"draft", "build", "verify", "commit", "record", "total"}
     assert set(data["metrics"]["acceptance_by_source"]["model"]) == {"drafted", "accepted", "rate"}
-    assert set(data["iterations"][0]["times"]) == {"draft", "build", "verify", "commit", "other", "total"}
+    assert set(data["iterations"][0]["times"]) == {"draft", "build", "verify", "commit", "record", "total"}
     assert data["token_sources"][0] == {"iteration": -1, "kind": "prefill", "margin": fresh.token_sources[0].margin,
                                         "text": fresh.token_sources[0].text}
     assert data["config"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
@@ -49,6 +49,11 @@ def test_a_round_trip_is_identical(fresh):
     assert fresh.metrics.stage_s.total == pytest.approx(sum(it.times.total for it in fresh.iterations))
 
 
+def renamed_other(times: dict) -> dict:
+    """An older trace's stage times as schema 7 names them ("other" became "record")."""
+    return {("record" if k == "other" else k): v for k, v in times.items()}
+
+
 def test_a_schema_2_trace_loads_into_the_typed_fields():
     data = json.loads(OLD.read_text())
     assert data["schema_version"] == 2 and "total" not in data["metrics"]["stage_s"]
@@ -59,14 +64,15 @@ def test_a_schema_2_trace_loads_into_the_typed_fields():
         raw["new_tokens"], raw["iterations"], raw["total_s"], raw["ttft_s"], raw["tpot_s"], raw["tokens_per_s"])
     assert (m.mean_tokens_per_iter, m.mean_accepted_len, m.acceptance_rate, m.per_depth_acceptance) == (
         raw["mean_tokens_per_iter"], raw["mean_accepted_len"], raw["acceptance_rate"], raw["per_depth_acceptance"])
-    assert m.stage_s == StageTimes(**raw["stage_s"], total=sum(raw["stage_s"].values()))  # the total, summed
+    assert m.stage_s == StageTimes.from_dict(raw["stage_s"]) and m.stage_s.record == raw["stage_s"]["other"]
+    assert m.stage_s.total == pytest.approx(sum(raw["stage_s"].values()))  # the total, summed
     assert m.acceptance_by_source == {} and m.cost_drift == {} and m.speedup_vs_ar is None  # absent then
     assert run.comparison == Comparison(**data["comparison"])
     assert run.config == RunConfig(**{**data["config"], "sampling": RunSampling(**data["config"]["sampling"])})
     assert run.config.steps == "eager"  # schema 2 did not record it: eager, as every reader assumed
     assert run.token_sources == [TokenSource(**s) for s in data["token_sources"]]
-    assert [asdict(it.times) for it in run.iterations] == [it["times"] for it in data["iterations"]]
-    # converted, then written as schema 6 and read back: the same typed run
+    assert [asdict(it.times) for it in run.iterations] == [renamed_other(it["times"]) for it in data["iterations"]]
+    # converted, then written as schema 7 and read back: the same typed run
     assert run_from_dict(json.loads(run.to_json())) == run
 
 
@@ -111,5 +117,8 @@ def test_a_schema_5_trace_written_by_the_previous_code_loads_typed():
     assert run.config.sampling == RunSampling(**raw["config"]["sampling"])
     assert [asdict(s) for s in run.token_sources] == raw["token_sources"]
     assert all(isinstance(it.times, StageTimes) for it in run.iterations)
-    assert asdict(run.iterations[0].times) == raw["iterations"][0]["times"]
-    assert run_from_dict(run.to_dict()).to_dict() == run.to_dict()  # and it saves as schema 6 without loss
+    old = raw["iterations"][0]["times"]  # schema < 7 named the record stage "other"
+    assert asdict(run.iterations[0].times) == renamed_other(old)
+    assert run.iterations[0].times.record == old["other"]
+    assert run.metrics.stage_s.record == raw["metrics"]["stage_s"]["other"]
+    assert run_from_dict(run.to_dict()).to_dict() == run.to_dict()  # and it saves as schema 7 without loss

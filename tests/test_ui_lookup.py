@@ -37,7 +37,7 @@ def test_lookup_nodes_are_marked_by_source(client, strategy, params, expected):
     out = client.predict(PROMPT, False, "tiny-random", strategy, "cpu", 24, params=params, api_name="/run")
     assert "tokens/s" in out[STATUS] and "Traceback" not in out[STATUS]
     trace = json.loads(Path(out[DOWNLOAD]).read_text())
-    assert trace["schema_version"] == 6 and all(it["lookup"] is not None for it in trace["iterations"])
+    assert trace["schema_version"] == 7 and all(it["lookup"] is not None for it in trace["iterations"])
     sources = {n.get("source", "model") for it in trace["iterations"] for n in it["nodes"]}
     assert expected <= sources and (strategy != "lookup" or not sources & {"model", "both"})
     assert "acceptance · lookup" in out[METRICS]  # per-source acceptance, shown because lookup drafted

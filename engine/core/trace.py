@@ -20,9 +20,10 @@ from engine.core.reports import LookupReport, SelectorChoice
 # IterationRecord.lookup and .selector (were extra["lookup_s" / "lookup_only" / "lookup_match" / "lookup_match_leaf"]
 # and extra["selector"], converted on load); 6: the run's metrics, config, comparison, token sources and each
 # iteration's times are typed (RunMetrics, RunConfig, Comparison, TokenSource, StageTimes); the JSON keeps the field
-# names, metrics["stage_s"] gains "total", and a field an older trace lacks loads as its default (None where optional)
-SCHEMA_VERSION = 6
-READABLE = (1, 2, 3, 4, 5, 6)
+# names, metrics["stage_s"] gains "total", and a field an older trace lacks loads as its default (None where optional);
+# 7: the stage "other" is "record", named for the method it times (older traces' "other" loads as "record")
+SCHEMA_VERSION = 7
+READABLE = (1, 2, 3, 4, 5, 6, 7)
 TOP_K = 10  # entries in NodeRecord.next_p / next_q
 
 # Node outcomes. "rejected": a child of an accepted node that the target did not pick; "unreached": below a
@@ -83,23 +84,26 @@ def known(cls, data: dict[str, Any] | None):
     return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
 
-STAGES = ("draft", "build", "verify", "commit", "other")  # StageTimes' parts; total is their sum
+STAGES = ("draft", "build", "verify", "commit", "record")  # StageTimes' parts; total is their sum
 
 
 @dataclass
 class StageTimes:
     """Seconds of an iteration's stages (IterationRecord.times), or their sums over a run (RunMetrics.stage_s):
-    drafting, tree building, verification, commit, the rest; `total` = their sum, the iteration's wall time."""
+    drafting, tree building (the draft's seconds taken out), verification, the caches' commit of the accepted
+    rows, the iteration's record; `total` = their sum, the iteration's wall time."""
     draft: float = 0.0
     build: float = 0.0
     verify: float = 0.0
     commit: float = 0.0
-    other: float = 0.0
+    record: float = 0.0
     total: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, float] | None) -> StageTimes:
-        """Schema < 6 run sums had no "total": it is the sum of the stages."""
+        """Schema < 6 run sums had no "total": it is the sum of the stages; schema < 7 called "record" "other"."""
+        if data is not None and "other" in data:
+            data = {("record" if k == "other" else k): v for k, v in data.items()}
         times = known(cls, data)
         if data is not None and "total" not in data:
             times.total = sum(getattr(times, stage) for stage in STAGES)
@@ -223,7 +227,7 @@ class IterationRecord:
     accepted: int                        # accepted draft tokens (bonus excluded)
     draft_forwards: int
     params: dict[str, Any]               # strategy parameters in force for this iteration
-    times: StageTimes                    # seconds: draft, build, verify, commit, other, total
+    times: StageTimes                    # seconds: draft, build, verify, commit, record, total
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific signals (e.g. SALF's round sums)
     cost: IterationCost | None = None    # None without a cost table
     lookup: LookupReport | None = None   # the context lookup's work, where a lookup drafted (engine/core/reports.py)

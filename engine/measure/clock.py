@@ -37,7 +37,7 @@ class StageClock:
         self.seconds[stage], self.mark = now - self.mark, now
 
     def times(self, draft: float, within: str) -> StageTimes:
-        """The stages' seconds (build, verify, commit, other) and their total, with `draft` seconds (timed by the
+        """The stages' seconds (build, verify, commit, record) and their total, with `draft` seconds (timed by the
         drafter's own clock) taken out of the stage `within` and given as the draft stage."""
         stages = dict(self.seconds)
         stages[within] -= draft

@@ -22,7 +22,7 @@ and ARCHITECTURE.md link to this docstring; the app, the bench and the command l
 - **exact match** (`compare_outputs`): the output equals AR's token for token; otherwise the first divergence and the
   target's top-2 logit margin there.
 - **stage times** (`stage_s`, a StageTimes): seconds per stage summed over iterations: draft, build, verify, commit,
-  other, and their total.
+  record, and their total.
 - **cost drift** (`cost_drift`): measured ÷ predicted seconds of drafting and of verification over the run, from the
   per-iteration cost records (`IterationRecord.cost`), first iteration left out; beyond ×DRIFT_TOLERANCE either way
   (and at least DRIFT_MIN_ITERATIONS iterations) the cached cost table no longer describes the machine.

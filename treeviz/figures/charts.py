@@ -24,7 +24,7 @@ from engine.measure.metrics import DRIFT_TOLERANCE, calibration, cost_drift, dri
 from treeviz.figures.html import ar_source_text
 
 # -- per-run charts ------------------------------------------------------------------------------------------------
-STAGE_COLORS = {"draft": "#f39c12", "build": "#9b59b6", "verify": "#2980b9", "commit": "#7f8c8d", "other": "#bdc3c7"}
+STAGE_COLORS = {"draft": "#f39c12", "build": "#9b59b6", "verify": "#2980b9", "commit": "#7f8c8d", "record": "#bdc3c7"}
 
 
 def charts_figure(run: RunResult | None, selected: int | None = None, stage_mode: str = "per iteration") -> go.Figure:
