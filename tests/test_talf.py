@@ -214,12 +214,12 @@ def test_resumed_adapter_keeps_training_and_its_run_record(tmp_path):
 
 
 def talf_script():
-    from scripts import talf
+    from scripts import train_talf as talf
     return talf
 
 
 def test_tiny_experiment_writes_table_and_figure(tmp_path):
-    """scripts/talf.py tiny end to end at toy sizes: trains, evaluates every tree strategy, writes md + html."""
+    """scripts/train_talf.py tiny end to end at toy sizes: trains, evaluates every tree strategy, writes md + html."""
     from pathlib import Path
     script = talf_script()
     args = ["tiny", "--out", str(tmp_path), "--seeds", "1", "--target-steps", "2", "--steps", "1",

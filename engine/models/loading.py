@@ -107,7 +107,7 @@ def _load_pretrained(source: str | Path, *, gguf_file: str | None, display: str,
     return model, tokenizer
 
 
-TALF_SUFFIX = "+talf:"  # "default+talf:PATH": a draft with a LoRA adapter trained by scripts/talf.py
+TALF_SUFFIX = "+talf:"  # "default+talf:PATH": a draft with a LoRA adapter trained by scripts/train_talf.py
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -182,7 +182,7 @@ def load_model(spec: str, *, dtype: torch.dtype | str, device: torch.device | st
 
 
 def _load_with_adapter(base: str, adapter: str, *, role: str, **load):
-    """`SPEC+talf:PATH`: the model SPEC with a TALF LoRA adapter (scripts/talf.py) merged into its weights. The
+    """`SPEC+talf:PATH`: the model SPEC with a TALF LoRA adapter (scripts/train_talf.py) merged into its weights. The
     merge happens here, before kernel preparation wraps the linears (peft can only wrap plain nn.Linear)."""
     if not adapter.strip():
         raise ModelLoadError(f"'{base}{TALF_SUFFIX}' names no adapter folder: write {base}{TALF_SUFFIX}PATH")

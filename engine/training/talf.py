@@ -20,8 +20,8 @@ between the two distributions coarsened to (top-k ids, everything else).
 The labels are made without gradients by the target (one cached forward per depth); the tree shape is then fixed
 and reused across epochs, as in the paper.
 
-`load_adapter(model, path)` loads a LoRA adapter trained by scripts/talf.py (peft) onto a draft and merges it, so the
-decoder sees a plain model.
+`load_adapter(model, path)` loads a LoRA adapter trained by scripts/train_talf.py (peft) onto a draft and merges it, so
+the decoder sees a plain model.
 """
 from __future__ import annotations
 
@@ -176,16 +176,16 @@ def add_lora(model, rank: int = 16, alpha: int = 32, dropout: float = 0.0):
 
 
 def load_adapter(model, path: str | Path, merge: bool = True, trainable: bool = False):
-    """Load a TALF LoRA adapter saved by scripts/talf.py onto `model` (the draft it was trained on).
+    """Load a TALF LoRA adapter saved by scripts/train_talf.py onto `model` (the draft it was trained on).
 
     merge=True folds the adapter into the weights and returns a plain model, so the decoder, kernel packing and
     quantisation see an ordinary draft; merge=False returns the peft wrapper (with trainable=True, ready to train on:
-    scripts/talf.py lora --resume). Call it before prepare_kernels: peft
+    scripts/train_talf.py lora --resume). Call it before prepare_kernels: peft
     can only wrap plain nn.Linear layers, not the routed ones kernel preparation puts in their place."""
     path = Path(path).expanduser()
     if not (path / "adapter_config.json").is_file():
         raise TalfError(f"{path} is not a LoRA adapter folder (no adapter_config.json); train one with "
-                        "`python -m scripts.talf lora --out PATH`")
+                        "`python -m scripts.train_talf lora --out PATH`")
     from peft import PeftModel
     try:
         wrapped = PeftModel.from_pretrained(model, str(path), is_trainable=trainable)

@@ -1,8 +1,8 @@
 """Small parameter sweep for one strategy: throughput relative to AR on a few prompts of each set.
 
-    python -m scripts.sweep --pair default --dtype fp32 --strategy dynatree --grid budget=12,24 d_max=6,8 \
+    python -m scripts.preset_grid --pair default --dtype fp32 --strategy dynatree --grid budget=12,24 d_max=6,8 \
         --limit 1 --max-new-tokens 64
-    python -m scripts.sweep --plan plan.txt   # one "strategy key=v1,v2 key=v1" per line, all in one process
+    python -m scripts.preset_grid --plan plan.txt   # one "strategy key=v1,v2 key=v1" per line, all in one process
 
 Used to choose the "cpu" presets; prints one line per configuration (speedup per set and their geometric mean,
 L-bar, draft forwards, drafted nodes). AR is measured once, in the same process, warm-up excluded.

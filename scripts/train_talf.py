@@ -1,7 +1,7 @@
 """TALF (engine/training/talf.py) against plain distillation, at this machine's scale; and a LoRA run on the real draft.
 
-    python -m scripts.talf tiny --out runs/talf            # small models trained here: OUT/talf.md + OUT/talf.html
-    python -m scripts.talf lora --minutes 5 --out ~/talf-lora   # LoRA (peft) on the default pair's 0.5B draft
+    python -m scripts.train_talf tiny --out runs/talf      # small models trained here: OUT/talf.md + OUT/talf.html
+    python -m scripts.train_talf lora --minutes 5 --out ~/talf-lora   # LoRA (peft) on the default pair's 0.5B draft
 
 `tiny`: a 4-layer target (hidden 128) learns byte-level text from the Python install (pydoc topics + stdlib
 sources; every 10th file is held out), then a 2-layer draft (hidden 64) learns the same text briefly. From that
@@ -210,7 +210,7 @@ def write_tiny_report(args, rows, target_loss: float, seconds: float) -> None:
             for label in labels]
     per_seed = ["| " + f"{r['seed']} | {r['draft']} | " + " | ".join(f"{r[k]:.3f}" for k, _ in keys) + " |"
                 for r in rows]
-    settings = (f"`python -m scripts.talf tiny {' '.join(sys.argv[2:])}`\n\n"
+    settings = (f"`python -m scripts.train_talf tiny {' '.join(sys.argv[2:])}`\n\n"
                 f"target {args.target_layers} layers (hidden 128), text loss {target_loss:.3f} nats/byte after "
                 f"{args.target_steps} steps; draft 2 layers (hidden 64), {args.draft_pretrain} text steps, then "
                 f"{args.steps} steps (lr {args.lr}, batches of {args.batch}) on {args.sequences} target sequences of "
