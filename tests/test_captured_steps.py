@@ -21,7 +21,7 @@ from engine.capture import aoti
 from engine.capture.captured_ar import CapturedAR
 from engine.capture.packages import (CaptureUnavailable, CapturedModel, Package, capture_backend, install, plan,
                                      prepare_capture, prepare_model, recipe_key)
-from engine.core.kernels import quantize_linears, router_of
+from engine.cpu.kernels import quantize_linears, router_of
 from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, StaticSteps, causal_visibility
 from engine.measure.costs import CAPTURED, ModelCosts, calibrate_pair

@@ -6,7 +6,7 @@ import torch
 
 from engine.capture.compiled import CompileError, CompiledAR, compile_available
 from engine.core.attention import GQA_SWITCH, compiled_attention
-from engine.core.kernels import router_of
+from engine.cpu.kernels import router_of
 from engine.core.prompts import encode_prompt
 from engine.core.sampling import Sampling
 from engine.decoder import Decoder

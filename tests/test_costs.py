@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from engine.core.kernels import router_of
+from engine.cpu.kernels import router_of
 from engine.core.trace import IterationCost, IterationRecord, StageTimes
 from engine.decoder import Decoder
 from engine.measure import costs as costs_mod
@@ -99,7 +99,7 @@ def test_a_new_path_is_measured_alone_and_merged_and_other_contexts_only_for_win
     first = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
     assert measure.calls == [["plain", "packed"]] + [["plain"]] * len(CONTEXTS) and first.measured
     assert all(t["packed"] == {r: float("inf") for r in LADDER} for t in first.contexts.values())  # priced, not guessed
-    from engine.core.kernels import quantize_linears
+    from engine.cpu.kernels import quantize_linears
     quantize_linears(pair.draft, "int8")
     second = model_costs(pair.draft, "d", torch.float32, pair.device, measure_fn=measure)
     assert measure.calls[2:] == [["int8"]] * (1 + len(CONTEXTS))  # int8 wins somewhere: both context lengths
@@ -109,7 +109,7 @@ def test_a_new_path_is_measured_alone_and_merged_and_other_contexts_only_for_win
 
 def test_a_losing_path_is_not_climbed(related_pair):
     # measure itself: a path twice the best at a rung gets infinity above it, and never wins a row count there
-    from engine.core.kernels import KERNELS, add_format
+    from engine.cpu.kernels import KERNELS, add_format
     import time as time_mod
     model = tiny_random_pair("related", seed=0).target
     add_format(model, "int8")

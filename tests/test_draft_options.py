@@ -52,7 +52,7 @@ def test_every_strategy_is_exact_with_a_cheap_draft(reference, options):
 
 
 def test_auto_quant_offers_the_quantised_formats_to_the_drafts_probe_on_cpu_only(cache):
-    from engine.core.kernels import QUANTISED, format_unavailable, quantize_linears, router_of
+    from engine.cpu.kernels import QUANTISED, format_unavailable, quantize_linears, router_of
     pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="on", draft_quant="auto")
     assert pair.draft_quant == "auto"
     offered = {p for p in QUANTISED if format_unavailable(p, pair.device, pair.dtype) is None}
@@ -71,7 +71,7 @@ def test_auto_quant_offers_the_quantised_formats_to_the_drafts_probe_on_cpu_only
 
 
 def test_quantised_draft_routes_its_rows_to_int_paths_where_forced(reference):
-    from engine.core.kernels import add_format
+    from engine.cpu.kernels import add_format
     pair = load_pair("tiny-random", "tiny-random", dtype="fp32", packed="off", draft_quant="int4")
     add_format(pair.draft, "int4")  # the probe may not have kept it on this machine: make it, then force it
     pair.draft.kernel_router.install(["int4"] * 64)  # every draft call on the quantised kernel, whatever the table says

@@ -1,4 +1,4 @@
-"""Weight formats (engine/core/kernels.py): every format computes nn.Linear's numbers, routing follows the measured
+"""Weight formats (engine/cpu/kernels.py): every format computes nn.Linear's numbers, routing follows the measured
 tables (per model and per shape group), ties and saved state survive, freed formats free memory, decoding stays
 exact, and a format the CPU cannot make is refused with a reason, never assumed."""
 import os
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.core import kernels
-from engine.core.kernels import (PackingError, Router, RoutedLinear, add_format, drop_format, mkl_works,
+from engine.cpu import kernels
+from engine.cpu.kernels import (PackingError, Router, RoutedLinear, add_format, drop_format, mkl_works,
                                  onednn_bf16, pack_linears, quantize_linears, route_linears, router_of)
 from engine.decoder import Decoder
 from engine.measure.costs import ModelCosts
@@ -71,7 +71,7 @@ def test_bf16_packing_is_refused_without_onednn_bf16():
     # run as an AVX2-only CPU would (docs/cpu.md): no bf16 default, no bf16 packing, a bf16 model packs in fp32
     script = """
 import torch
-from engine.core.kernels import PackingError, RoutedLinear, Router, onednn_bf16, packed_dtype
+from engine.cpu.kernels import PackingError, RoutedLinear, Router, onednn_bf16, packed_dtype
 from engine.models.devices import cpu_has_fast_bf16, resolve_dtype
 assert not onednn_bf16() and not cpu_has_fast_bf16()
 assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
@@ -327,7 +327,7 @@ def test_dyn8_does_not_saturate_without_vnni():
     overflow it, silently. dyn8 quantises activations to 7 bits, so even all-maximal codes stay exact there."""
     script = """
 import torch
-from engine.core.kernels import RoutedLinear, Router
+from engine.cpu.kernels import RoutedLinear, Router
 layer = RoutedLinear(torch.nn.Linear(64, 16, bias=False), Router())
 with torch.no_grad():
     layer.weight.fill_(0.5)  # every weight code 127

@@ -235,7 +235,7 @@ def test_tiny_experiment_writes_table_and_figure(tmp_path):
 
 
 def test_adapter_onto_routed_linears_is_refused_with_a_message(tmp_path):
-    from engine.core.kernels import route_linears
+    from engine.cpu.kernels import route_linears
     base = tiny_random_model(5, num_layers=2)
     add_lora(copy.deepcopy(base), rank=2).save_pretrained(str(tmp_path))
     route_linears(base)  # what kernel preparation does to a loaded pair

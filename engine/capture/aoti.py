@@ -11,7 +11,7 @@ any count in a range with `dynamic=True`); the cache length L is dynamic, so one
 length. The embedding lookup stays outside (a gather; keeping it out keeps the table out of the package).
 
 The linear weights are the package's inputs, not its constants: every linear calls its format's kernel through the
-opaque `treeviz::linear` (engine/core/kernels.py), handed the model's own tensors on every call. So a package holds
+opaque `treeviz::linear` (engine/cpu/kernels.py), handed the model's own tensors on every call. So a package holds
 no copy of the weights -- all packages of a model share the one resident copy, and a package per row-count range
 costs disk and seconds, not gigabytes -- and it is traced with one-element stand-ins, so building one needs neither
 the weights' formats nor their memory. The compiler fuses what lies between the GEMMs (norms, rotary, attention,
@@ -36,7 +36,7 @@ from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
 
 from engine.core.attention import compiled_attention
-from engine.core.kernels import bound_tensors, opaque_linears, page_out, routed_linears
+from engine.cpu.kernels import bound_tensors, opaque_linears, page_out, routed_linears
 from engine.core.runtime import cache_dir, model_device
 from engine.cuda.aot import load_package
 
@@ -51,7 +51,7 @@ class CaptureError(RuntimeError):
 @dataclass(frozen=True)
 class Recipe:
     """What one package computes: `rows` query rows (exactly, or any count in rows..hi when `hi` is set) with every
-    linear on weight format `path` (engine/core/kernels.py) but those of the shape groups in `groups`, which take
+    linear on weight format `path` (engine/cpu/kernels.py) but those of the shape groups in `groups`, which take
     the format paired with them (the routing of a model whose groups differ: an LM head that stays plain)."""
     rows: int
     path: str = "plain"

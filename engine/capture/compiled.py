@@ -29,7 +29,7 @@ import time
 import torch
 
 from engine.core.attention import compiled_attention
-from engine.core.kernels import forcing, routed_linears
+from engine.cpu.kernels import forcing, routed_linears
 from engine.core.runtime import synchronize
 from engine.core.sampling import Sampling
 

@@ -5,7 +5,7 @@
 
 The switch (`capture`: auto | on | off) belongs to the pair:
   CPU   packages compiled ahead of time by AOTInductor (engine/capture/aoti.py), where a C++ compiler exists;
-  CUDA  one CUDA graph per row-count bucket (engine/core/cuda_graphs.py), with `auto` too: on an H100 every strategy
+  CUDA  one CUDA graph per row-count bucket (engine/cuda/graphs.py), with `auto` too: on an H100 every strategy
         decoded the same tokens graphed and eager, and AR's (docs/experiments/gpu-2026-11-26/summary.md).
 
 What each CPU model gets (`plan`): per span of row counts its routing sends to one weight format, a package for that
@@ -27,7 +27,7 @@ import torch
 
 from engine.capture.aoti import (MAX_ROWS, Recipe, build, compiler_missing, load, package_file,
                                  package_key, read_meta, write_meta)
-from engine.core.kernels import (INT4_GROUP, assigned, format_tensors, route_linears, routed_linears, router_of,
+from engine.cpu.kernels import (INT4_GROUP, assigned, format_tensors, route_linears, routed_linears, router_of,
                                  standin_tensors)
 from engine.core.runtime import model_device, synchronize
 from engine.core.steps import LADDER, StaticSteps, graph_capacity

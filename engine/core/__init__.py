@@ -7,12 +7,10 @@
   tensor_tree.py  a tree as device tensors of fixed shapes, grown level by level without reading the device
   steps.py        each model's forwards and KV cache: dynamic (the eager reference), or static with row-count
                   buckets, running whatever forward the device installed (transformers' own, engine/cuda's fused
-                  step) eagerly, replayed from a CUDA graph (cuda_graphs.py) or as a CPU package (engine/capture/):
+                  step) eagerly, replayed from a CUDA graph (engine/cuda/graphs.py) or as a CPU package (engine/capture/):
                   the one seam between the algorithm and a device's speed machinery
-  cuda_graphs.py  one CUDA graph per row-count bucket, captured and replayed
   kv.py           additive tree masks and cache row copies
   attention.py    tree_sdpa: grouped-query attention folded into rows, registered with transformers
-  kernels.py      CPU kernel paths per linear layer (plain, mkl, packed, int8, int4, dyn8), routed by row count
   lookup.py       context-lookup drafts (no draft model): n-gram matches in the prompt and output
   reports.py      what a strategy reports beside its tree, typed (LookupReport, SelectorChoice)
   trace.py        IterationRecord, IterationCost, RunResult and its RunMetrics, RunConfig, Comparison, TokenSource,
@@ -21,7 +19,7 @@
   prompts.py      the shipped prompt sets and prompt encoding
   runtime.py      device synchronisation and the cache folder
 
-May import: torch, transformers, numpy, and of the engine only engine.cuda, the room below it, whose fused step
-steps.py runs (pyproject.toml, contracts `engine-rooms` and `core-layers`; `algorithm-not-devices` keeps tree.py and
-drafter.py from importing engine.cuda themselves).
+May import: torch, transformers, numpy, and of the engine only the device rooms below it: steps.py runs
+engine/cuda's graphs and fused step (pyproject.toml, contracts `engine-rooms` and `core-layers`;
+`algorithm-not-devices` keeps tree.py and drafter.py from importing engine.cuda or engine.cpu themselves).
 """

@@ -17,7 +17,7 @@ exactly the cached columns, rollback by row copy then crop (engine/core/kv.py).
 StaticSteps preallocates the cache (`max_len` positions) and runs each forward on one of three routes:
   captured  a CPU package compiled ahead of time (engine/capture/aoti.py, through `captured`, the model's
             CapturedModel): exactly n rows, or padded to its bucket;
-  graphed   a CUDA graph of the bucket's forward (engine/core/cuda_graphs.py), replayed after the inputs are copied in;
+  graphed   a CUDA graph of the bucket's forward (engine/cuda/graphs.py), replayed after the inputs are copied in;
   eager     the model called on the static cache (or the fused step installed for it, engine/cuda/fused.py),
             padded to its bucket where one holds it (so CPU tests exercise what graphs replay), at its own size
             beyond every bucket (a prefill, the draft's first forward).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core import kv
-from engine.core.cuda_graphs import CudaGraphs, clear_workspaces
+from engine.cuda.graphs import CudaGraphs, clear_workspaces
 from engine.cuda.fused import installed as installed_step
 
 LADDER = (1, 2, 4, 8, 16, 32, 64)  # the row counts forwards are measured and captured at (buckets come from it)

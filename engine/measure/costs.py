@@ -6,7 +6,7 @@ So they are measured, once per (machine, model, dtype, torch version, threads), 
 cache_dir()/costs; `recalibrate=True` measures again.
 
 A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each of CONTEXTS), then time forwards of 1,
-2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/core/kernels.py:
+2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/cpu/kernels.py:
 the formats engine/measure/formats.py kept), fastest of REPEATS (after one discarded warm-up call per path). A path
 ladder.CLIMB_LIMIT times the best at a rung is not measured further up (priced at infinity: not competitive, never
 guessed), and the other contexts are measured only for the paths that win somewhere at PREFIX. The cache is rolled
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.core import kv
-from engine.core.kernels import PATHS, drop_format, forcing, onednn_bf16, router_of, step_bytes
+from engine.cpu.kernels import PATHS, drop_format, forcing, onednn_bf16, router_of, step_bytes
 from engine.core.runtime import cache_dir, synchronize
 from engine.core.steps import LADDER
 from engine.measure.ladder import climb, interpolate

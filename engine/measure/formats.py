@@ -1,7 +1,7 @@
 """Which weight formats each linear keeps: a short probe on a few of the model's own layers, then a memory plan.
 
 Making every format of a 1.5B model whole to time whole forwards costs minutes and a copy of the weights per format
-(engine/core/kernels.py lists them), and most formats lose on a given CPU (weight-only int8 on an AVX2-only CPU
+(engine/cpu/kernels.py lists them), and most formats lose on a given CPU (weight-only int8 on an AVX2-only CPU
 loses at every row count). So formats are timed on the linears of the model's first decoder layers -- enough of
 them that their weights overflow the last-level cache twice, so the probe streams from memory as a forward does --
 and on the layers outside them (the LM head), one shape group at a time (`kernels.group_of`: every linear of one
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engine.core.kernels import (PATHS, RoutedLinear, available_memory, format_unavailable, routed_linears,
+from engine.cpu.kernels import (PATHS, RoutedLinear, available_memory, format_unavailable, routed_linears,
                                  router_of, tensor_bytes, tied_weights)
 from engine.core.steps import LADDER
 from engine.measure.costs import machine, model_identity, read_cached, table_file, write_json

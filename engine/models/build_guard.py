@@ -35,7 +35,7 @@ from pathlib import Path
 
 from torch import nn
 
-from engine.core.kernels import RoutedLinear, available_memory
+from engine.cpu.kernels import RoutedLinear, available_memory
 
 LOCK_NAME = ".build.lock"
 DEFAULT_PEAK_FACTOR = 2.5       # compile growth per byte of weights the package holds, before anything was measured

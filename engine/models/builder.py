@@ -32,7 +32,7 @@ from pathlib import Path
 
 from engine.capture.aoti import Recipe, build, package_file, read_meta, release_weights, write_meta
 from engine.capture.packages import recipe_key
-from engine.core.kernels import standin_tensors
+from engine.cpu.kernels import standin_tensors
 from engine.core.runtime import cache_dir
 from engine.models.build_guard import (GiB, BuildStatus, PeakMemory, build_lock, compile_peak_estimate, descendants,
                                        earlier_peaks, end_with_parent, identities, kill_tree, package_weight_bytes,

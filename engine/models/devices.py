@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from engine.core.kernels import onednn_bf16
+from engine.cpu.kernels import onednn_bf16
 from engine.measure.costs import cpu_capability, cpu_info
 from engine.models.pair import ModelLoadError
 

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufCo
 
 from engine.capture.packages import capture_backend, measure_graphed, remember_fingerprint
 from engine.core.attention import use_tree_sdpa
-from engine.core.kernels import (MODES, PACKED, QUANTISED, PackingError, check_quant_mode, format_unavailable,
+from engine.cpu.kernels import (MODES, PACKED, QUANTISED, PackingError, check_quant_mode, format_unavailable,
                                  linear_bytes, packed_dtype, return_freed_memory, route_linears, router_of)
 from engine.measure.costs import calibrate_pair, measure
 from engine.measure.formats import choose_formats, make_whole, plan_memory, weights_budget
@@ -223,7 +223,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
 
     packed: "auto" | "on" | "off" -- whether CPU linears may be re-laid out once for MKL's or oneDNN's packed GEMMs
-    (engine/core/kernels.py); "auto": where the format probe (engine/measure/formats.py) finds them faster, "on":
+    (engine/cpu/kernels.py); "auto": where the format probe (engine/measure/formats.py) finds them faster, "on":
     always one of them, "off": never.
     draft_vocab: None / "full" or N -- the draft scores only the N most frequent tokens (engine/models/vocab.py).
     draft_quant: "none" | "int8" | "int4" | "auto" -- let the draft's linears take weight-only quantised formats (CPU;

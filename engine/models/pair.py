@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.core.kernels import router_of
+from engine.cpu.kernels import router_of
 from engine.measure.costs import PairCosts
 
 
@@ -36,7 +36,7 @@ class ModelPair:
     dtype: torch.dtype
     target_name: str
     draft_name: str
-    packed: bool = False  # some linears keep a packed format, MKL's or oneDNN's (engine/core/kernels.py)
+    packed: bool = False  # some linears keep a packed format, MKL's or oneDNN's (engine/cpu/kernels.py)
     costs: PairCosts | None = None  # measured forward costs (engine/measure/costs.py); None: not calibrated
     draft_vocab: int | None = None  # the draft scores only this many frequent tokens (engine/models/vocab.py)
     draft_quant: str = "none"  # the draft's quantised formats asked for (kernels.QUANT_MODES); kept: `formats`

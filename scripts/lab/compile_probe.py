@@ -49,7 +49,7 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
     from engine.core.attention import compiled_attention
     from engine.capture.compiled import round_to_step
     from engine.measure.costs import probe_ids
-    from engine.core.kernels import forcing
+    from engine.cpu.kernels import forcing
     from engine.models import load_pair
 
     model = load_pair(pair_spec, None, dtype=dtype).target
