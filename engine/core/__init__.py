@@ -7,8 +7,8 @@
   tensor_tree.py  a tree as device tensors of fixed shapes, grown level by level without reading the device
   steps.py        each model's forwards and KV cache: dynamic (the eager reference), or static with row-count
                   buckets, running whatever forward the device installed (transformers' own, engine/cuda's fused
-                  step) eagerly, replayed from a CUDA graph (engine/cuda/graphs.py) or as a CPU package (engine/capture/):
-                  the one seam between the algorithm and a device's speed machinery
+                  step) eagerly, replayed from a CUDA graph (engine/cuda/graphs.py) or as a CPU package
+                  (engine/capture/): the one seam between the algorithm and a device's speed machinery
   kv.py           additive tree masks and cache row copies
   attention.py    tree_sdpa: grouped-query attention folded into rows, registered with transformers
   lookup.py       context-lookup drafts (no draft model): n-gram matches in the prompt and output
