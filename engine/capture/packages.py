@@ -31,8 +31,9 @@ from engine.cpu.kernels import (INT4_GROUP, assigned, format_tensors, route_line
                                  standin_tensors)
 from engine.core.runtime import model_device, synchronize
 from engine.core.steps import LADDER, StaticSteps, graph_capacity
-from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, machine_load, model_identity, probe_ids,
+from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, model_identity, probe_ids,
                                   read_cached, spans, table_file, table_key, write_json)
+from engine.measure.quiet import watch_cpu
 
 MODES = ("auto", "on", "off")
 DRAFT_TOP = 32  # the draft's largest captured forward (a batched level of a wide tree); the target's is MAX_ROWS
@@ -271,11 +272,11 @@ def captured_table(model, name: str, captured: CapturedModel, recalibrate: bool 
             return {int(c): {int(r): s for r, s in t.items()} for c, t in data["captured"].items()}
         except (ValueError, KeyError, AttributeError):
             pass  # a damaged entry is measured again
-    before = machine_load()
-    table = {c: measure_captured(model, captured, LADDER, c, REPEATS) for c in (PREFIX, *CONTEXTS)}
-    write_json(table_file(key), {"key": key, "captured": {str(c): t for c, t in table.items()},
-                                 "measured_at": time.time(),
-                                 "busy": max((b for b in (before, machine_load()) if b is not None), default=None)})
+    with watch_cpu() as watch:
+        table = {c: measure_captured(model, captured, LADDER, c, REPEATS) for c in (PREFIX, *CONTEXTS)}
+    if not watch.disturbed:  # a table measured beside other work serves this run only (engine/measure/quiet.py)
+        write_json(table_file(key), {"key": key, "captured": {str(c): t for c, t in table.items()},
+                                     "measured_at": time.time()})
     return table
 
 

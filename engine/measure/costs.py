@@ -36,6 +36,7 @@ from engine.cpu.kernels import PATHS, drop_format, forcing, onednn_bf16, router_
 from engine.core.runtime import cache_dir, synchronize
 from engine.core.steps import LADDER
 from engine.measure.ladder import climb, interpolate
+from engine.measure.quiet import watch_cpu
 
 PREFIX = 300
 # Further context lengths measured beside PREFIX (attention's share of a forward grows with the cache), stored in the
@@ -44,7 +45,7 @@ CONTEXTS = (1200,)
 REPEATS = 3
 CAPTURED = "captured"  # the path name of a model's captured steps in a table (never a kernel route)
 ROUTED = "routed"  # the path name of a model timed as its router sends each linear (a routing per shape group)
-FORMAT = 2  # bump when the meaning of a cached table changes
+FORMAT = 3  # bump when the meaning of a cached table changes (3: cached only where measured on a quiet machine)
 _STREAM_BYTES = 1 << 30  # streaming-read probe: large enough to defeat every cache level
 
 
@@ -140,7 +141,7 @@ class ModelCosts:
     seconds: dict[str, dict[int, float]]
     measured: bool = False  # measured in this process (False: read from the disk cache)
     step_bytes: int = 0  # linear weight bytes one single-row step reads on the installed routing
-    busy: float | None = None  # 1-minute load average per core when measured: above ~0.5 other work shared the CPU
+    disturbed: str | None = None  # measured here beside other work (engine/measure/quiet.py): what shared the CPU
     contexts: dict[int, dict[str, dict[int, float]]] = field(default_factory=dict)  # other context lengths' tables
     captured: dict[int, dict[int, float]] = field(default_factory=dict)
     serves: dict[int, int] = field(default_factory=dict)
@@ -246,7 +247,8 @@ def _causal_mask(prefix: int, rows: int, dtype: torch.dtype, device: torch.devic
 
 def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, recalibrate: bool = False,
                 measure_fn=measure, graphs: bool = False) -> ModelCosts:
-    """The model's table for the paths it has: from the disk cache where it holds them, else measured and saved.
+    """The model's table for the paths it has: from the disk cache where it holds them, else measured, and saved
+    where the machine was quiet meanwhile (engine/measure/quiet.py; a disturbed table serves this run only).
     `graphs`: the table of replayed CUDA graphs (`measure_fn` then times them: engine/capture/packages.py
     `measure_graphed`), cached apart from the eager one."""
     router = router_of(model)
@@ -256,16 +258,14 @@ def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, reca
                                                                 else {})}
     stored: dict[str, dict[int, float]] = {}
     others: dict[int, dict[str, dict[int, float]]] = {}
-    busy = None
     data = None if recalibrate else read_cached(key)
     if data is not None:
         try:
             stored = _table(data["seconds"])
             others = {int(c): _table(t) for c, t in data.get("contexts", {}).items()}
-            busy = data.get("busy")
         except (ValueError, KeyError, AttributeError):
             stored, others = {}, {}  # a damaged cache entry is measured again
-    measured = False
+    measured, shared = False, []
     for context, table in [(PREFIX, stored)] + [(c, others.setdefault(c, {})) for c in CONTEXTS]:
         missing = [p for p in paths if set(table.get(p, {})) != set(LADDER)]
         if context != PREFIX:  # another context only for the paths that win somewhere
@@ -273,32 +273,23 @@ def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, reca
             table.update({p: {r: float("inf") for r in LADDER} for p in missing if p not in winners})
             missing = [p for p in missing if p in winners]
         if missing:
-            before = machine_load()
-            table.update(measure_fn(model, missing) if context == PREFIX else
-                         measure_fn(model, missing, prefix=context))
-            after = machine_load()
-            busy = max(b for b in (before, after, busy) if b is not None) if before is not None else None
+            with watch_cpu() as watch:
+                table.update(measure_fn(model, missing) if context == PREFIX else
+                             measure_fn(model, missing, prefix=context))
+            shared.append(watch.sharing)
             measured = True
-    if measured:
+    disturbed = next((s.describe() for s in shared if s is not None and s.disturbed), None)
+    if measured and disturbed is None:
         write_json(table_file(key), {"key": key, "seconds": stored,
-                                     "contexts": {str(c): t for c, t in others.items()},
-                                     "measured_at": time.time(), "busy": busy})
-    return ModelCosts(name, {p: stored[p] for p in paths}, measured=measured, busy=busy,
+                                     "contexts": {str(c): t for c, t in others.items()}, "measured_at": time.time(),
+                                     "others_cores": max((s.others_cores for s in shared if s), default=None)})
+    return ModelCosts(name, {p: stored[p] for p in paths}, measured=measured, disturbed=disturbed,
                       contexts={c: {p: t[p] for p in paths} for c, t in others.items() if c in CONTEXTS})
 
 
 def _table(data: dict) -> dict[str, dict[int, float]]:
     """A table read from JSON (row counts are string keys there)."""
     return {p: {int(r): s for r, s in v.items()} for p, v in data.items()}
-
-
-def machine_load() -> float | None:
-    """1-minute load average per core beyond this process's own threads (None where the OS does not say)."""
-    try:
-        load = os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
-    return max(load - torch.get_num_threads(), 0.0) / (os.cpu_count() or 1)
 
 
 def write_json(file: Path, data: dict) -> None:
@@ -312,12 +303,14 @@ def write_json(file: Path, data: dict) -> None:
 # memory bandwidth
 
 
-def stream_bandwidth(device: torch.device, nbytes: int = _STREAM_BYTES, repeats: int = 3) -> float:
-    """Bytes per second of a streaming read: the fastest of `repeats` sums of a `nbytes` fp32 tensor (every byte
-    read once, arithmetic negligible). This is the ceiling a memory-bound single-row step can approach."""
+def stream_bandwidth(device: torch.device, nbytes: int = _STREAM_BYTES, repeats: int = 3, seconds: float = 1.0
+                     ) -> float:
+    """Bytes per second of a streaming read: the fastest of at least `repeats` sums of a `nbytes` fp32 tensor, and
+    of as many as `seconds` holds (every byte read once, arithmetic negligible; a window long enough for
+    engine/measure/quiet.py to judge). This is the ceiling a memory-bound single-row step can approach."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    samples = []
-    for _ in range(repeats + 1):
+    samples, begin = [], time.perf_counter()
+    while len(samples) <= repeats or time.perf_counter() - begin < seconds:
         synchronize(device)
         start = time.perf_counter()
         x.sum()
@@ -327,13 +320,15 @@ def stream_bandwidth(device: torch.device, nbytes: int = _STREAM_BYTES, repeats:
 
 
 def machine_bandwidth(device: torch.device, recalibrate: bool = False) -> float:
-    """stream_bandwidth, cached per machine like the tables."""
+    """stream_bandwidth, cached per machine like the tables (where measured on a quiet machine)."""
     key = {"format": FORMAT, "probe": "stream-sum-fp32", "bytes": _STREAM_BYTES, **machine(device)}
     data = None if recalibrate else read_cached(key)
     if data is not None and isinstance(data.get("bytes_per_s"), (int, float)):
         return float(data["bytes_per_s"])
-    value = stream_bandwidth(device)
-    write_json(table_file(key), {"key": key, "bytes_per_s": value, "measured_at": time.time()})
+    with watch_cpu() as watch:
+        value = stream_bandwidth(device)
+    if not watch.disturbed:
+        write_json(table_file(key), {"key": key, "bytes_per_s": value, "measured_at": time.time()})
     return value
 
 
@@ -405,6 +400,9 @@ def calibrate_pair(pair, recalibrate: bool = False, progress=None, measure_fn=me
             drop_unrouted(model, costs)
         costs.step_bytes = step_bytes(model)
         tables[role] = costs
+        if costs.disturbed:
+            say(1.0, f"the {role}'s cost table was measured beside other work ({costs.disturbed}): used for this "
+                     "start, measured again at the next")
     bandwidth = machine_bandwidth(pair.device, recalibrate)
     return PairCosts(tables["target"], tables["draft"], bandwidth)
 
@@ -470,8 +468,8 @@ def format_costs(costs: PairCosts, routing: dict[str, str] | None = None, format
                  f"-> {ar / costs.bandwidth:.0%} of the bound, which is "
                  f"{costs.target.step_bytes / costs.bandwidth * 1000:.1f} ms per step")
     lines.append(line)
-    busy = [t.busy for t in (costs.target, costs.draft) if t is not None and t.busy is not None]
-    if busy and max(busy) > 0.5:
-        lines.append(f"warning: measured while the CPU was busy (load average {max(busy):.1f} per core): other work "
-                     "inflated and distorted these times; rerun with --recalibrate on a quiet machine")
+    for table in (costs.target, costs.draft):
+        if table is not None and table.disturbed:
+            lines.append(f"warning: {table.name}'s table was measured beside other work ({table.disturbed}): it "
+                         "serves this run only and is measured again next time; rerun on a quiet machine")
     return "\n".join(lines)

@@ -16,8 +16,9 @@ weight shape), at each rung of the ladder:
   * `plan_memory` then drops the second formats that buy the least time per byte until the pair's weights fit its
     budget (`weights_budget`): one resident copy of each format a route reads, and no more than the machine has.
 
-The probe is cached per machine like the cost tables; the whole-model table (engine/measure/costs.py) is measured
-afterwards on the formats kept, as routed.
+The probe is cached per machine like the cost tables, where the machine was quiet while it ran
+(engine/measure/quiet.py); the whole-model table (engine/measure/costs.py) is measured afterwards on the formats
+kept, as routed.
 """
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ from engine.cpu.kernels import (PATHS, RoutedLinear, available_memory, format_un
 from engine.core.steps import LADDER
 from engine.measure.costs import machine, model_identity, read_cached, table_file, write_json
 from engine.measure.ladder import climb, interpolate
+from engine.measure.quiet import watch_cpu
 
 SHARE = 1.05  # a second format is kept only where it beats the first by more than this
 REPEATS = 3
-FORMAT = 4  # bump when a cached probe's meaning changes (4: groups by weight shape, formats per shape)
+FORMAT = 5  # bump when a cached probe's meaning changes (5: cached only where probed on a quiet machine)
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # How much each row count's speed matters when memory forces a choice: one row is every AR step and most draft
 # steps; 2-16 rows are trees; 32-64 rows are rare.
@@ -82,6 +84,7 @@ class FormatChoice:
     size: dict[str, float]
     notes: list[str] = field(default_factory=list)
     measured: bool = False
+    disturbed: str | None = None  # probed here beside other work (engine/measure/quiet.py): what shared the CPU
 
     @property
     def kept(self) -> list[str]:
@@ -208,10 +211,15 @@ def choose_formats(model, name: str, candidates: list[str], compute_dtype: torch
     plain = {g: sum(_plain_bytes(m) for m in ms) for g, ms in members.items()}
     key = probe_key(model, name, dtype, paths)
     data = None if recalibrate else read_cached(key)
+    disturbed = None
     if data is None:
-        seconds, size = _probe(model, paths, compute_dtype, notes)
-        data = {"key": key, "seconds": seconds, "size": size, "notes": notes, "measured_at": time.time()}
-        write_json(table_file(key), data)
+        with watch_cpu() as watch:
+            seconds, size = _probe(model, paths, compute_dtype, notes)
+        if watch.disturbed:  # serves this load only; the next start probes again (engine/measure/quiet.py)
+            disturbed = watch.sharing.describe()
+        else:
+            write_json(table_file(key), {"key": key, "seconds": seconds, "size": size, "notes": notes,
+                                         "measured_at": time.time()})
         measured = True
     else:
         seconds = {g: {p: {int(r): v for r, v in t.items()} for p, t in by_path.items()}
@@ -219,7 +227,7 @@ def choose_formats(model, name: str, candidates: list[str], compute_dtype: torch
         size, notes, measured = data["size"], notes + data.get("notes", []), False
     tied = {g for g, ms in members.items() if any(id(m.weight) in tied_weights(model) for m in ms)}
     groups = {g: GroupChoice(seconds[g], _kept(seconds[g], g in tied), plain[g], g in tied) for g in members}
-    return FormatChoice(groups, size, notes, measured)
+    return FormatChoice(groups, size, notes, measured, disturbed)
 
 
 def _kept(seconds, tied: bool) -> list[str]:

@@ -305,6 +305,9 @@ def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | st
             say(progress, 1.0, f"probing the {role}'s weight formats ({', '.join(candidates)}; cached after the "
                                "first time)")
             pair.formats[role] = choose_formats(model, name, candidates, compute, recalibrate)
+            if pair.formats[role].disturbed:
+                say(progress, 1.0, f"the {role}'s format probe shared the CPU with other work "
+                                   f"({pair.formats[role].disturbed}): used for this start, probed again at the next")
     loaded = sum(linear_bytes(model) for _, model, _ in pair.models())
     pair.memory_notes = plan_memory(list(pair.formats.values()), weights_budget(loaded))
     for role, model, _ in pair.models():

@@ -105,7 +105,16 @@ class ModelPair:
             text += f" | {self.describe_capture()}"
         if self.costs is not None and self.costs.c is not None:
             text += f" | c = {self.costs.c:.2f}, t(16) = {self.costs.t(16):.2f}"
+        if self.disturbed():
+            text += f" | measured beside other work ({', '.join(self.disturbed())}): measured again at the next start"
         return text
+
+    def disturbed(self) -> list[str]:
+        """The measurements of this load made beside other work (engine/measure/quiet.py), which were not cached."""
+        probes = [f"{role}'s format probe" for role, choice in self.formats.items() if choice.disturbed]
+        tables = [f"{role}'s cost table" for role, t in (("target", self.costs.target), ("draft", self.costs.draft))
+                  if t is not None and t.disturbed] if self.costs is not None else []
+        return probes + tables
 
     @property
     def eos_token_ids(self) -> list[int]:
