@@ -252,6 +252,13 @@ def first_tree(url: str, args, prompt: str, since) -> dict:
     return out
 
 
+def sigint_reaches_children() -> None:
+    """Let the app take the SIGINT `App.end` sends first: a job a non-interactive shell starts in the background
+    ignores SIGINT, and an ignored signal stays ignored across exec, whereas a handler is reset to the default."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class App:
     """One app process (`command`, in its own session and process group), its log and its process tree; `end()`
     ends them all."""
@@ -259,6 +266,7 @@ class App:
     def __init__(self, command: list[str], env: dict, log: Path):
         self.command, self.log = command, log
         self.t0 = time.monotonic()
+        sigint_reaches_children()
         self.process = subprocess.Popen(command, cwd=REPOSITORY, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                         errors="replace", start_new_session=True)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+
+import pytest
 
 from engine.models.build_guard import proc_stat
 from scripts.app_start import SERVING, UNAVAILABLE, App, LogWatch
@@ -72,8 +75,15 @@ TREE = textwrap.dedent("""
 """)
 
 
-def test_ending_reaches_a_grandchild_that_left_the_group_and_ignores_sigterm(tmp_path):
-    app = App([sys.executable, "-c", TREE], dict(os.environ), tmp_path / "tree.log")
+@pytest.mark.parametrize("sigint", ["default", "ignored"])  # ignored: as in a background job of a script
+def test_ending_reaches_a_grandchild_that_left_the_group_and_ignores_sigterm(tmp_path, sigint):
+    before = signal.getsignal(signal.SIGINT)
+    if sigint == "ignored":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # what the app would inherit
+    try:
+        app = App([sys.executable, "-c", TREE], dict(os.environ), tmp_path / "tree.log")
+    finally:
+        signal.signal(signal.SIGINT, before)
     deadline = time.monotonic() + 30
     while len(app.tree.members()) < 3:
         assert time.monotonic() < deadline, "the tree never grew"
