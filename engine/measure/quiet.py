@@ -2,7 +2,7 @@
 
     with watch_cpu() as watch:
         seconds = measure(...)
-    if not watch.sharing.disturbed:
+    if not watch.disturbed:
         write_json(...)            # only a quiet measurement is cached
 
 A cached table is read by every later start. One measured beside a compile, a test suite or another app routes every
@@ -72,12 +72,12 @@ class CpuWatch:
 def watch_cpu() -> Iterator[CpuWatch]:
     """Measure the other processes' CPU time on this process's cores while the block runs."""
     watch, cores = CpuWatch(), _cores()
-    before, start = _busy_ticks(cores), time.perf_counter()
+    before, own, start = _busy_ticks(cores), time.process_time(), time.perf_counter()
     yield watch
-    after, wall = _busy_ticks(cores), time.perf_counter() - start
+    after, own, wall = _busy_ticks(cores), time.process_time() - own, time.perf_counter() - start
     if before is not None and after is not None:
         tick = 1.0 / os.sysconf("SC_CLK_TCK")
-        others = max((after[0] - before[0]) - (after[1] - before[1]), 0) * tick
+        others = max((after - before) * tick - own, 0.0)
         watch.sharing = Sharing(others, wall, torch.get_num_threads(), len(cores), tick)
 
 
@@ -88,22 +88,17 @@ def _cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def _busy_ticks(cores: list[int]) -> tuple[int, int] | None:
-    """(busy ticks of `cores` summed: user, nice, system, irq, softirq and steal; ticks of this process, all its
-    threads), or None where /proc cannot say."""
+def _busy_ticks(cores: list[int]) -> int | None:
+    """Busy ticks of `cores` summed (user, nice, system, irq, softirq and steal), or None where /proc cannot say."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
-        own = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
     except OSError:
         return None
     wanted, busy, seen = {f"cpu{c}" for c in cores}, 0, 0
     for line in lines:
         name, _, rest = line.partition(" ")
         if name in wanted:
-            fields = rest.split()
-            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in rest.split()[:8])
             busy += user + nice + system + irq + softirq + steal
             seen += 1
-    if seen != len(wanted):
-        return None
-    return busy, int(own[11]) + int(own[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return busy if seen == len(wanted) else None

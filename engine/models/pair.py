@@ -105,8 +105,8 @@ class ModelPair:
             text += f" | {self.describe_capture()}"
         if self.costs is not None and self.costs.c is not None:
             text += f" | c = {self.costs.c:.2f}, t(16) = {self.costs.t(16):.2f}"
-        if self.disturbed():
-            text += f" | measured beside other work ({', '.join(self.disturbed())}): measured again at the next start"
+        if disturbed := self.disturbed():
+            text += f" | measured beside other work ({', '.join(disturbed)}): measured again at the next start"
         return text
 
     def disturbed(self) -> list[str]:
