@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import process_state
 
 from engine.capture.aoti import Recipe, write_meta
 from engine.models.build_guard import (DEFAULT_PEAK_FIXED, build_lock, compile_peak_estimate, descendants,
                                        earlier_peaks, identities, package_weight_bytes, proc_stat, watch_parent)
-from engine.models.builder import (EXIT_DECLINED, EXIT_STOPPED, REPOSITORY, build_request, load_request_pair,
-                                   start_builder)
+from engine.models.builder import (EXIT_DECLINED, EXIT_STOPPED, NICENESS, REPOSITORY, build_request,
+                                   load_request_pair, start_builder)
 
 ONE_ROW = Recipe(1, "plain")
 
@@ -113,6 +114,29 @@ def test_stop_ends_the_builder_and_says_so(cache):
         assert builder.stop() == EXIT_STOPPED  # idempotent
     status = builder.status()
     assert status["state"] == "stopped" and status["message"] == "the builder stopped: stopped by its app"
+
+
+def test_the_builder_and_its_threads_run_at_the_lowest_priority(cache):
+    with build_lock(cache, timeout=0):
+        builder = start(cache, "nice")
+        wait_until(lambda: builder.status().get("state") == "waiting for lock", what="the builder waiting")
+        tasks = list(Path(f"/proc/{builder.pid}/task").iterdir())
+        niceness = {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
+        builder.stop()
+    assert len(tasks) > 1 and niceness == {NICENESS}  # threads started after Popen returned inherited it
+
+
+def test_a_paused_builder_is_stopped_by_the_kernel_continues_and_still_ends(cache):
+    with build_lock(cache, timeout=0):
+        builder = start(cache, "paused")
+        wait_until(lambda: builder.status().get("state") == "waiting for lock", what="the builder waiting")
+        builder.pause(True)
+        wait_until(lambda: process_state(builder.pid) == "T", what="the builder stopped")
+        builder.pause(False)
+        wait_until(lambda: process_state(builder.pid) != "T", what="the builder continued")
+        builder.pause(True)
+        assert builder.stop(grace=30.0) == EXIT_STOPPED  # continued first: a stopped process cannot act on SIGTERM
+    assert builder.status()["state"] == "stopped"
 
 
 def test_a_builder_stopped_while_compiling_leaves_nothing_behind(cache):

@@ -478,12 +478,28 @@ def test_a_captured_dyn8_draft_computes_what_the_eager_one_does(tmp_path):
     assert len(calls) == 4  # every forward after the prefill ran a package
 
 
+def cached_fraction(file) -> float:
+    """The fraction of `file`'s pages in the page cache (mincore over a fresh private mapping of it)."""
+    import ctypes
+    import mmap
+    page, size = mmap.PAGESIZE, file.stat().st_size
+    with open(file, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        pages = (size + page - 1) // page
+        vec = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        assert ctypes.CDLL(None).mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0
+        return sum(v & 1 for v in vec) / pages
+
+
 def test_page_out_keeps_a_mapped_weight_readable_and_frees_its_pages(tmp_path):
     """A loaded checkpoint's weights are views into its memory map: paging one out before it is dropped frees its
-    resident pages, and a tied view still reads the same values (they are read back from the file)."""
+    resident pages, a tied view still reads the same values (they are read back from the file), and the file stays
+    in the page cache for the next start."""
     from safetensors.torch import load_file, save_file
     file = tmp_path / "w.safetensors"
     save_file({"w": torch.arange(4_000_000, dtype=torch.float32)}, str(file))
+    with open(file, "rb+") as written:
+        os.fsync(written.fileno())  # clean pages, as a checkpoint saved on an earlier start has: reclaimable
     weight = load_file(str(file))["w"]
     total = float(weight.sum())
 
@@ -494,4 +510,6 @@ def test_page_out_keeps_a_mapped_weight_readable_and_frees_its_pages(tmp_path):
     kernels.page_out(weight)
     if before is not None and tuple(map(int, os.uname().release.split(".")[:2])) >= (5, 4):
         assert file_rss_kib() < before - 8_000  # ~15 MiB of pages gone (MADV_PAGEOUT, Linux 5.4+)
+    if os.path.exists("/proc/self/maps"):
+        assert cached_fraction(file) > 0.9  # unmapped, not evicted: MADV_PAGEOUT would have dropped it
     assert float(weight.sum()) == total

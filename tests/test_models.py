@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from engine import models
 from engine.core.runtime import cache_dir
@@ -590,8 +591,10 @@ def test_default_path_assembles_converts_caches_and_reloads(tiny_gguf_package, m
     model, tok, name = load_model("default", dtype="fp32", device="cpu", progress=lambda f, m: seen.append((f, m)))
     assert name == "Tiny-GGUF (GGUF, offline)"
     messages = " | ".join(m for _, m in seen)
-    for stage in ("assembling", "verifying", "converting tokenizer", "dequantising", "float32 copy", "loaded"):
+    for stage in ("assembling", "verifying", "converting tokenizer", "dequantising", "converted model (float32)",
+                  "loaded"):
         assert stage in messages, stage
+    assert "copy" not in messages  # converted straight into float32: no bf16 copy written and read back
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
 
@@ -604,9 +607,10 @@ def test_default_path_assembles_converts_caches_and_reloads(tiny_gguf_package, m
     assert len(parsed) == 1  # transformers asks three times (tokenizer, config, weights): one parse serves all
 
     sha = tiny_gguf_package.sha256[:16]
-    assert sorted(p.name for p in (cache / "converted").iterdir()) == [sha, f"{sha}-float32"]  # stale temp gone
+    assert sorted(p.name for p in (cache / "converted").iterdir()) == [f"{sha}-float32"]  # stale temp gone
     assert not list(cache.glob("*.gguf")) and not list(cache.rglob(".tmp-*"))  # assembled file deleted
-    assert (cache / "converted" / sha / "model.safetensors").is_file()
+    with safe_open(cache / "converted" / f"{sha}-float32" / "model.safetensors", "pt") as stored:
+        assert {stored.get_slice(k).get_dtype() for k in stored.keys()} == {"F32"}  # a lazy mmap at every load
 
     # later starts: straight from the cache, no assembling or converting
     monkeypatch.setattr(packaged, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
@@ -614,8 +618,10 @@ def test_default_path_assembles_converts_caches_and_reloads(tiny_gguf_package, m
     again, _, _ = load_model("default-target", dtype="fp32", device="cpu")
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
-    bf16, _, _ = load_model("default", dtype="bf16", device="cpu")
+    bf16, _, _ = load_model("default", dtype="bf16", device="cpu")  # copied from the float32 variant
     assert bf16.dtype == torch.bfloat16
+    rounded = bf16_rounded_tiny().state_dict()
+    assert all(torch.equal(w.float(), rounded[name]) for name, w in bf16.state_dict().items())
     assert sorted(p.name for p in (cache / "converted").iterdir()) == [sha, f"{sha}-float32"]
 
 

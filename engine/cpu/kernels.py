@@ -411,14 +411,18 @@ class RoutedLinear(nn.Module):
 # formats on a model
 
 
-_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now; their contents stay valid (re-read or swapped in)
+_MADV_DONTNEED, _MADV_PAGEOUT = 4, 21  # PAGEOUT: Linux 5.4+
 
 
 def page_out(tensor: torch.Tensor) -> None:
-    """Ask the kernel to reclaim the whole pages under a CPU tensor about to be dropped. A loaded weight is a view
-    into the checkpoint's memory map, so freeing the tensor leaves its pages resident (counted against the app's
-    memory until the kernel needs them); paging them out makes a freed format's memory visibly free. Safe for
-    pages still shared (a tied embedding): they are read back on use. Best effort: nothing happens elsewhere."""
+    """Give back the whole pages under a CPU tensor about to be dropped. A loaded weight is a view into the
+    checkpoint's memory map, so freeing the tensor leaves its pages mapped (counted against the app's memory);
+    unmapping them makes a freed format's memory visibly free. Pages of a file mapping are only unmapped
+    (MADV_DONTNEED): the page cache keeps the file, so the next start reads it from memory, not the disk (reclaiming
+    them, as PAGEOUT does, made every warm start read ~5 GB from disk:
+    docs/experiments/2026-11-28-first-start-float32.md); a weight is never written, so a page read back holds
+    what it held. Other memory is paged out (MADV_PAGEOUT), which keeps its contents. Either way a page still shared
+    (a tied embedding) reads back on use. Best effort: nothing happens elsewhere."""
     if tensor.device.type != "cpu" or tensor.numel() == 0 or not hasattr(ctypes, "CDLL"):
         return
     try:
@@ -427,9 +431,21 @@ def page_out(tensor: torch.Tensor) -> None:
         start = -(-tensor.data_ptr() // page) * page
         end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
         if end > start:
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
+            advice = _MADV_DONTNEED if _file_mapped(start, end) else _MADV_PAGEOUT
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
     except (OSError, AttributeError, ValueError):
         pass
+
+
+def _file_mapped(start: int, end: int) -> bool:
+    """Whether [start, end) lies inside one mapping of a file, per /proc/self/maps (False where it cannot say)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= start < high:
+                return end <= high and len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/")
+    return False
 
 
 @contextmanager

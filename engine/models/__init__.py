@@ -14,7 +14,7 @@ Import from here: `from engine.models import load_pair, ModelPair, tiny_random_p
 """
 from engine.models.devices import resolve_device, resolve_dtype
 from engine.models.loading import PAIRS, load_model, load_pair, prepare_kernels
-from engine.models.packaged import (PACKAGED, PackagedModel, assemble_chunks, convert_gguf, dtype_variant_dir,
+from engine.models.packaged import (PACKAGED, PackagedModel, assemble_chunks, convert_gguf, copy_in_dtype,
                                     find_chunks, is_converted, packaged_model_dir, prepared_model_dir,
                                     require_gguf_support)
 from engine.models.pair import ModelLoadError, ModelPair, check_rollbackable, check_same_vocab, eos_token_ids
@@ -23,7 +23,7 @@ from engine.models.tiny import tiny_config, tiny_random_model, tiny_random_pair,
 
 __all__ = [
     "PACKAGED", "PAIRS", "ModelLoadError", "ModelPair", "PackagedModel", "Progress", "assemble_chunks",
-    "check_rollbackable", "check_same_vocab", "convert_gguf", "dtype_variant_dir", "eos_token_ids", "find_chunks",
+    "check_rollbackable", "check_same_vocab", "convert_gguf", "copy_in_dtype", "eos_token_ids", "find_chunks",
     "is_converted", "load_model", "load_pair", "packaged_model_dir", "prepare_kernels", "prepared_model_dir",
     "require_gguf_support", "resolve_device", "resolve_dtype", "tiny_config", "tiny_random_model", "tiny_random_pair",
     "tiny_tokenizer",

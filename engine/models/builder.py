@@ -6,8 +6,10 @@
     builder.stop()            # the app ends it (atexit): the builder, its compilers and its half-written package
     python -m engine.models.builder REQUEST.json                                         # what start_builder runs
 
-Compiling runs its own kernels and threads for minutes; in its own process it never competes with the serving
-process's compute thread, which decodes eagerly meanwhile and loads the packages when the builder exits.
+Compiling runs its own kernels and threads for minutes. It runs in its own process at the lowest CPU priority
+(`NICENESS`), so it takes only the CPU time the serving process leaves: on 2 cores a builder at normal priority took
+half the machine from the app's first tree (docs/experiments/2026-11-28-first-start-float32.md). The serving process
+decodes eagerly meanwhile and loads the packages when the builder exits.
 
 It lives within limits (engine/models/build_guard.py), per package: it takes the captured folder's build lock (one
 compile at a time across processes; a package another builder finished meanwhile is skipped), estimates what the
@@ -45,6 +47,7 @@ LIMITS = {"lock_wait_s": 1800.0,     # another builder's compile (minutes for a 
           "memory_poll_s": 5.0,
           "headroom_bytes": 1 << 30,  # left free for the app and the rest of the machine during a compile
           "budget_bytes": None}      # the most this process may hold, compiles included (the app's plan less the app)
+NICENESS = 19  # the builder and everything it starts run only when the serving process leaves a core idle
 EXIT_DECLINED = 3  # finished cleanly, but some packages were declined: the caller must not compile them itself
 EXIT_STOPPED = 143
 
@@ -62,6 +65,7 @@ class Builder:
     """A started builder process: wait() and poll() as a Popen's, status() its status file, stop() to end it."""
     process: subprocess.Popen
     status_file: Path
+    paused: bool = False
 
     @property
     def pid(self) -> int:
@@ -76,14 +80,28 @@ class Builder:
     def status(self) -> dict:
         return read_build_status(self.status_file)
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the builder and the processes it started, its own process group: the
+        app pauses it while a run decodes, so a compile takes no core or memory bandwidth from a run it measures.
+        Its memory stays held. A no-op once it has ended, or when already in that state."""
+        if paused == self.paused or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            self.paused = paused
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def stop(self, grace: float = 10.0) -> int:
         """End the builder and every process it started; returns its exit code. SIGTERM first (it ends its compilers,
         removes its half-written package and writes the state "stopped"), then after `grace` s SIGKILL to its
         process group and to any descendant left. Idempotent, quick when it has already ended: register it with
-        atexit where the builder is started."""
+        atexit where the builder is started. A paused builder is continued first: a stopped process cannot act on
+        SIGTERM."""
         if self.process.poll() is not None:
             return self.process.returncode
         started = identities(descendants(self.pid))  # after it dies its children are no longer found under it
+        self.pause(False)
         self.process.terminate()
         try:
             return self.process.wait(grace)
@@ -112,7 +130,18 @@ def start_builder(request: dict, log_file, status_file: str | Path | None = None
     file.write_text(json.dumps({**request, "parent_pid": os.getpid(), "status_file": str(status_file)}))
     process = subprocess.Popen([sys.executable, "-m", "engine.models.builder", str(file)], stdout=log_file,
                                stderr=subprocess.STDOUT, cwd=str(REPOSITORY), start_new_session=True)
+    lowest_priority(process.pid)
     return Builder(process, status_file)
+
+
+def lowest_priority(pid: int) -> None:
+    """Give process `pid` the niceness NICENESS. Called as soon as Popen returns, while the new interpreter has one
+    thread: the threads and processes it starts later inherit it (Linux keeps a niceness per thread)."""
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, NICENESS)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def load_request_pair(request: dict):

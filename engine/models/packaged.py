@@ -4,10 +4,12 @@ Each default model ships as byte chunks, one data/partNN.bin per pip package (`P
 are concatenated in part order, checked against size and SHA-256, dequantised once by transformers' GGUF loader and
 saved as plain safetensors + tokenizer, so later starts take seconds.
 
-Cache (cache_dir(), never the repo): converted/<sha16>/ holds a model as bf16 safetensors + tokenizer;
-converted/<sha16>-float32/ (or -float16) is a copy written the first time that dtype is asked for, because loading
-in the stored dtype is a lazy mmap while any other dtype costs a multi-GB cast on every start. Every entry is
-written to a .tmp-* folder and renamed into place, so a crash never leaves a half-written cache.
+Cache (cache_dir(), never the repo): converted/<sha16>/ holds a model as bf16 safetensors + tokenizer,
+converted/<sha16>-float32/ (or -float16) the same values stored in that dtype. The first use converts straight into
+the dtype asked for (a float32 CPU never writes, or reads back, a bf16 copy); a later use in another dtype copies
+whichever variant is there, because loading in the stored dtype is a lazy mmap while any other dtype costs a
+multi-GB cast on every start. Every entry is written to a .tmp-* folder and renamed into place, so a crash never
+leaves a half-written cache.
 """
 from __future__ import annotations
 
@@ -60,10 +62,10 @@ PACKAGED = {
                                    491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
 
-# GGUF weights are Q4/Q5/Q6-class; dequantised values stored in bf16 differ from fp32 by far less than the
-# quantisation error, and bf16 halves the cache (pair: 4.8 GB). Other dtypes get their own copy on first use
-# (dtype_variant_dir), so fp32 and bf16 runs use exactly the same weight values.
-_CACHE_DTYPE = torch.bfloat16
+# GGUF weights are Q4/Q5/Q6-class; dequantised values rounded to bf16 differ from fp32 by far less than the
+# quantisation error, and a bf16 cache is half the size (pair: 4.8 GB). Every dtype's variant holds these values,
+# so fp32 and bf16 runs use exactly the same weights.
+_VALUES = torch.bfloat16
 _MARKER = "treeviz-source.json"  # written last inside the temp dir: a cache dir without it is not ours / not done
 
 
@@ -181,13 +183,16 @@ def one_parse_per_gguf() -> Iterator[None]:
         yield
 
 
-def convert_gguf(gguf: Path, out: Path, *, progress: Progress | None = None, source: dict | None = None) -> Path:
-    """Dequantise a GGUF checkpoint once and save it as plain safetensors + tokenizer in `out` (atomically)."""
+def convert_gguf(gguf: Path, out: Path, *, dtype: torch.dtype = torch.bfloat16, progress: Progress | None = None,
+                 source: dict | None = None) -> Path:
+    """Dequantise a GGUF checkpoint once and save it as plain safetensors + tokenizer in `out` (atomically), its
+    values rounded to bf16 (`_VALUES`) and stored in `dtype`."""
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with one_parse_per_gguf():
             model, tokenizer = _dequantised(gguf, progress)
+        model.to(dtype)  # parameter by parameter: bf16 values are exact in float32 and float16's wider range
         model.generation_config.eos_token_id = eos_token_ids(model, tokenizer)
         # save_pretrained refuses a model that carries the GGUF quantizer ("not serializable"). With dequantize=True
         # transformers 5.23 attaches none, but if a version does, the weights are still dense tensors: dropping the
@@ -195,12 +200,12 @@ def convert_gguf(gguf: Path, out: Path, *, progress: Progress | None = None, sou
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        say(progress, 0.85, f"saving converted model to {out}")
+        say(progress, 0.85, f"saving the converted model ({_dtype_name(dtype)}) to {out}")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del model
         gc.collect()
-        info = dict(source or {}, gguf=gguf.name, dtype=str(_CACHE_DTYPE), converted_at=time.time())
+        info = dict(source or {}, gguf=gguf.name, dtype=str(dtype), values=str(_VALUES), converted_at=time.time())
         _publish(tmp, out, info)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -209,7 +214,7 @@ def convert_gguf(gguf: Path, out: Path, *, progress: Progress | None = None, sou
 
 
 def _dequantised(gguf: Path, progress: Progress | None):
-    """(model in the cache's dtype, tokenizer) read from a GGUF file by transformers."""
+    """(model holding `_VALUES`-rounded weights, tokenizer) read from a GGUF file by transformers."""
     # GGUF -> fast tokenizer conversion walks ~150k merges in Python: slow, but only this once.
     say(progress, 0.0, f"converting tokenizer of {gguf.name} (about a minute, once)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -217,7 +222,7 @@ def _dequantised(gguf: Path, progress: Progress | None):
     with forward_gguf_tqdm(span(progress, 0.35, 0.85), f"dequantising {gguf.name}"):
         # dequantize=True: plain dense weights (we need sdpa + tree masks, and no kernel download)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=_CACHE_DTYPE, attn_implementation="sdpa",
+            gguf.parent, gguf_file=gguf.name, dtype=_VALUES, attn_implementation="sdpa",
             quantization_config=GgufConfig(dequantize=True))
     return model, tokenizer
 
@@ -232,31 +237,27 @@ def _publish(tmp: Path, out: Path, info: dict) -> None:
     os.replace(tmp, out)
 
 
-def dtype_variant_dir(folder: Path, dtype: torch.dtype, progress: Progress | None = None) -> Path:
-    """The converted model stored in `dtype`, written once on first use.
+def copy_in_dtype(source: Path, out: Path, dtype: torch.dtype, progress: Progress | None = None) -> Path:
+    """A converted model `source` stored again in `dtype` as `out`, written once on first use.
 
     A load in the stored dtype is a lazy, zero-copy mmap (well under a second); any other dtype makes
     from_pretrained cast every tensor into fresh memory (9.6 GB for the fp32 pair: tens of seconds on 2 cores).
+    Every variant holds the same bf16-rounded values, so the cast either way is exact.
     """
-    if dtype == _CACHE_DTYPE:
-        return folder
-    name = str(dtype).removeprefix("torch.")
-    out = folder.with_name(f"{folder.name}-{name}")
-    if (out / _MARKER).is_file():
-        return out
+    name = _dtype_name(dtype)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         say(progress, 0.0, f"making a {name} copy of the converted model (once)")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
         say(progress, 0.4, f"saving the {name} copy to {out}")
         model.save_pretrained(tmp)
         del model
         gc.collect()
-        for f in folder.iterdir():  # tokenizer and chat template; weights and configs were just written
+        for f in source.iterdir():  # tokenizer and chat template; weights and configs were just written
             if f.is_file() and not (tmp / f.name).exists() and ".safetensors" not in f.name and f.name != _MARKER:
                 shutil.copy2(f, tmp / f.name)
-        info = json.loads((folder / _MARKER).read_text())
+        info = json.loads((source / _MARKER).read_text())
         _publish(tmp, out, dict(info, dtype=str(dtype), copied_at=time.time()))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -264,19 +265,32 @@ def dtype_variant_dir(folder: Path, dtype: torch.dtype, progress: Progress | Non
     return out
 
 
-def _converted_dir(key: str) -> Path:
-    return cache_dir() / "converted" / PACKAGED[key].sha256[:16]
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def variant_dir(key: str, dtype: torch.dtype) -> Path:
+    """Where the default model `key` stored in `dtype` lives (whether or not it is there yet)."""
+    base = cache_dir() / "converted" / PACKAGED[key].sha256[:16]
+    return base if dtype == torch.bfloat16 else base.with_name(f"{base.name}-{_dtype_name(dtype)}")
+
+
+def _converted(key: str) -> Path | None:
+    """A finished variant of `key` in the cache, any dtype (bf16 first), or None."""
+    folders = [variant_dir(key, dtype) for dtype in (torch.bfloat16, torch.float32, torch.float16)]
+    return next((f for f in folders if (f / _MARKER).is_file()), None)
 
 
 def is_converted(key: str) -> bool:
     """Whether the default model `key` is in the cache already (then its chunk packages are no longer needed)."""
-    return (_converted_dir(key) / _MARKER).is_file()
+    return _converted(key) is not None
 
 
-def packaged_model_dir(key: str, progress: Progress | None = None) -> Path:
-    """Directory of the converted default model `key`; assembles and converts on first use."""
-    pm, converted = PACKAGED[key], _converted_dir(key)
-    if is_converted(key):
+def packaged_model_dir(key: str, progress: Progress | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Directory of a converted variant of the default model `key` (any dtype); on first use, assembles the GGUF
+    and converts it into `dtype`."""
+    pm, converted = PACKAGED[key], _converted(key)
+    if converted is not None:
         return converted
     log.info("first use of %s: assembling and converting it (once)", pm.name)
     chunks = find_chunks(pm)
@@ -287,9 +301,10 @@ def packaged_model_dir(key: str, progress: Progress | None = None) -> Path:
     # assembled in a private folder: a concurrent first run cannot delete it under us; a crashed one is swept above
     work = root / f".tmp-gguf-{pm.sha256[:16]}-{os.getpid()}"
     gguf = work / f"{pm.name.lower()}.gguf"
+    out = variant_dir(key, dtype)
     try:
         assemble_chunks(chunks, gguf, size=pm.size, sha256=pm.sha256, progress=span(progress, 0.0, 0.1))
-        convert_gguf(gguf, converted, progress=span(progress, 0.1, 1.0),
+        convert_gguf(gguf, out, dtype=dtype, progress=span(progress, 0.1, 1.0),
                      source=dict(name=pm.name, packages=f"{pm.dist}1..{pm.parts}=={pm.version}", sha256=pm.sha256))
     except ModelLoadError:
         raise
@@ -297,7 +312,7 @@ def packaged_model_dir(key: str, progress: Progress | None = None) -> Path:
         raise _conversion_failed(pm.name, err) from err
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the 0.5-1 GB .gguf: the converted copy is the cache now
-    return converted
+    return out
 
 
 def _conversion_failed(name: str, err: BaseException) -> ModelLoadError:
@@ -313,12 +328,10 @@ _CONVERT_WORK, _VARIANT_WORK, LOAD_WORK = 6.0, 1.5, 0.5
 
 
 def _work_left(key: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(convert, variant): what first use of `key` in `dtype` still has to do, in the units above."""
-    base = _converted_dir(key)
-    variant = base.with_name(f"{base.name}-{str(dtype).removeprefix('torch.')}")
-    convert = 0.0 if is_converted(key) else _CONVERT_WORK
-    copy = 0.0 if dtype == _CACHE_DTYPE or (variant / _MARKER).is_file() else _VARIANT_WORK
-    return convert, copy
+    """(convert, copy): what first use of `key` in `dtype` still has to do, in the units above."""
+    if (variant_dir(key, dtype) / _MARKER).is_file():
+        return 0.0, 0.0
+    return (0.0, _VARIANT_WORK) if is_converted(key) else (_CONVERT_WORK, 0.0)
 
 
 def preparation_work(key: str, dtype: torch.dtype) -> float:
@@ -344,11 +357,15 @@ def _prepare_in_child(key: str, dtype: str) -> str:
 
 
 def prepared_model_dir(key: str, dtype: torch.dtype, progress: Progress | None = None) -> Path:
-    """Directory of the default model `key` stored in `dtype`: assembled, converted and copied on first use."""
-    convert, copy = _work_left(key, dtype)
-    cut = convert / (convert + copy) if convert + copy else 1.0
-    folder = packaged_model_dir(key, span(progress, 0.0, cut))
+    """Directory of the default model `key` stored in `dtype`: assembled and converted into `dtype` on first use, or
+    copied from another dtype's variant."""
+    out = variant_dir(key, dtype)
+    if (out / _MARKER).is_file():
+        return out
+    folder = packaged_model_dir(key, progress, dtype)
+    if folder == out:
+        return out
     try:
-        return dtype_variant_dir(folder, dtype, span(progress, cut, 1.0))
+        return copy_in_dtype(folder, out, dtype, progress)
     except Exception as err:
         raise _conversion_failed(PACKAGED[key].name, err) from err

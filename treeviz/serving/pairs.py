@@ -102,6 +102,7 @@ class PairManager:
         self.run_lock = threading.Lock()   # a Lock (not RLock): a closed generator may release it from any thread
         self._generation = 0
         self._inflight: dict[str, int] = {}  # pair name -> generation of its load still running
+        self.builder = None                # the process compiling captured steps, while one runs (build_captured)
 
     @property
     def pair(self):
@@ -221,28 +222,31 @@ class PairManager:
     def build_captured(self, name: str, gen: int, pair, target: str, draft: str | None, todo: dict) -> None:
         """Compile the pair's missing captured steps in another process (so this one keeps serving eager runs on its
         compute thread; engine/models/builder.py: one build at a time, within the memory left, ending with this
-        process), showing its state on the page; then load and measure them on the compute thread between runs (the
+        process), paused while a run holds the run lock (on 2 cores it took ~6 s from a warm start's first tree, and
+        it would skew what a run measures: docs/experiments/2026-11-28-first-start-float32.md), showing its state on
+        the page; then load and measure them on the compute thread between runs (the
         pair's run lock held: a measurement needs a quiet machine). A failure or a declined package leaves those
         rows eager, with the reason on the page; nothing is ever compiled in this process."""
         count = sum(len(r) for r in todo.values())
-        self._set_capture(gen, f"compiling {count} captured step(s) in the background (once per machine, a few "
-                               "minutes); runs decode eagerly until then")
+        starting = f"compiling {count} captured step(s) in the background (once per machine, a few minutes)"
+        self._set_capture(gen, f"{starting}; runs decode eagerly until then")
         log_path = cache_dir() / "captured" / f"build-{os.getpid()}.log"
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "w") as log_file:
                 budget = max(memory_ceiling() - process_rss(), 0)  # the plan: app + builder within the ceiling
-                builder = start_builder(build_request(pair, target, draft, todo, draft_vocab="auto",
-                                                      budget_bytes=budget), log_file)
+                builder = self.builder = start_builder(build_request(pair, target, draft, todo, draft_vocab="auto",
+                                                                     budget_bytes=budget), log_file)
                 atexit.register(builder.stop)
                 try:
                     while builder.poll() is None:
-                        message = builder.status().get("message")
-                        if message:  # the builder's own words: what it compiles, or waits for, and why
-                            self._set_capture(gen, f"{message}; runs decode eagerly until then")
+                        builder.pause(self.run_lock.locked())  # a run decoding has the cores to itself
+                        message = builder.status().get("message") or starting  # the builder's own words: what
+                        paused = " (paused while a run decodes)" if builder.paused else ""  # it compiles, or waits for
+                        self._set_capture(gen, f"{message}{paused}; runs decode eagerly until then")
                         if gen != self._generation:
                             builder.stop()  # another pair was asked for: its packages can wait
-                        time.sleep(2.0)
+                        time.sleep(0.1)
                 finally:
                     atexit.unregister(builder.stop)
             code, status = builder.wait(), builder.status()
