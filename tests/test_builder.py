@@ -122,8 +122,12 @@ def test_the_builder_and_its_threads_run_at_the_lowest_priority(cache):
         wait_until(lambda: builder.status().get("state") == "waiting for lock", what="the builder waiting")
         tasks = list(Path(f"/proc/{builder.pid}/task").iterdir())
         niceness = {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
+        autogroup = Path(f"/proc/{builder.pid}/autogroup")
+        group = autogroup.read_text() if autogroup.exists() else None  # "/autogroup-N nice K" where the kernel has it
         builder.stop()
     assert len(tasks) > 1 and niceness == {NICENESS}  # threads started after Popen returned inherited it
+    assert group is None or group.split()[-1] == str(NICENESS)  # its session's group too: else the nice counts for
+    # nothing against the app, which is in another session (measured: a first run as slow beside a niced builder)
 
 
 def test_a_paused_builder_is_stopped_by_the_kernel_continues_and_still_ends(cache):

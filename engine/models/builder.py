@@ -136,12 +136,18 @@ def start_builder(request: dict, log_file, status_file: str | Path | None = None
 
 def lowest_priority(pid: int) -> None:
     """Give process `pid` the niceness NICENESS. Called as soon as Popen returns, while the new interpreter has one
-    thread: the threads and processes it starts later inherit it (Linux keeps a niceness per thread)."""
-    if hasattr(os, "setpriority"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, pid, NICENESS)
-        except (ProcessLookupError, PermissionError):
-            pass
+    thread: the threads and processes it starts later inherit it (Linux keeps a niceness per thread). The builder
+    leads its own session, and where the kernel groups each session's processes for scheduling (autogroup), a
+    niceness counts only within the group: so the group gets it too (/proc/PID/autogroup)."""
+    if not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, NICENESS)
+        autogroup = Path(f"/proc/{pid}/autogroup")
+        if autogroup.exists():
+            autogroup.write_text(str(NICENESS))
+    except OSError:  # gone already, not ours, or no autogroup to set
+        pass
 
 
 def load_request_pair(request: dict):
