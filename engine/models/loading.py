@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -310,10 +311,14 @@ def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | st
                                    f"({pair.formats[role].disturbed}): used for this start, probed again at the next")
     loaded = sum(linear_bytes(model) for _, model, _ in pair.models())
     pair.memory_notes = plan_memory(list(pair.formats.values()), weights_budget(loaded))
-    for role, model, _ in pair.models():
-        if role in pair.formats:
-            make_whole(model, pair.formats[role], compute)
-            say(progress, 1.0, f"{role} weights: {router_of(model).describe()}")
+    made = [(role, model) for role, model, _ in pair.models() if role in pair.formats]
+    # Both models at once: this is first touches of the checkpoints' pages, reorders and quantisations, which overlap
+    # (docs/experiments/2026-11-28-first-start-float32.md).
+    with ThreadPoolExecutor(max(len(made), 1), thread_name_prefix="formats") as pool:
+        making = [pool.submit(make_whole, model, pair.formats[role], compute) for role, model in made]
+    for (role, model), done in zip(made, making):
+        done.result()  # a PackingError raised in its thread is raised here
+        say(progress, 1.0, f"{role} weights: {router_of(model).describe()}")
     kept = [p for choice in pair.formats.values() for p in choice.kept]
     pair.packed = any(p in PACKED for p in kept)
     pair.draft_quant = quant if pair.draft is not None else "none"  # asked for; what was kept: pair.formats
