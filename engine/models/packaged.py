@@ -192,7 +192,7 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: torch.dtype = torch.bfloat16, 
     try:
         with one_parse_per_gguf():
             model, tokenizer = _dequantised(gguf, progress)
-        model.to(dtype)  # parameter by parameter: bf16 values are exact in float32 and float16's wider range
+        model.to(dtype)  # parameter by parameter; exact for float32 (float16 holds the bf16 values within its range)
         model.generation_config.eos_token_id = eos_token_ids(model, tokenizer)
         # save_pretrained refuses a model that carries the GGUF quantizer ("not serializable"). With dequantize=True
         # transformers 5.23 attaches none, but if a version does, the weights are still dense tensors: dropping the
@@ -242,7 +242,7 @@ def copy_in_dtype(source: Path, out: Path, dtype: torch.dtype, progress: Progres
 
     A load in the stored dtype is a lazy, zero-copy mmap (well under a second); any other dtype makes
     from_pretrained cast every tensor into fresh memory (9.6 GB for the fp32 pair: tens of seconds on 2 cores).
-    Every variant holds the same bf16-rounded values, so the cast either way is exact.
+    Every variant holds the same bf16-rounded values: a cast between bf16 and float32 either way is exact.
     """
     name = _dtype_name(dtype)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
