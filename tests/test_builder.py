@@ -21,8 +21,9 @@ import pytest
 from procs import process_state
 
 from engine.capture.aoti import Recipe, write_meta
-from engine.models.build_guard import (DEFAULT_PEAK_FIXED, build_lock, compile_peak_estimate, descendants,
-                                       earlier_peaks, identities, package_weight_bytes, proc_stat, watch_parent)
+from engine.models.build_guard import (DEFAULT_PEAK_FIXED, WaitClock, build_lock, compile_peak_estimate,
+                                       descendants, earlier_peaks, identities, package_weight_bytes, proc_stat,
+                                       watch_parent)
 from engine.models.builder import (EXIT_DECLINED, EXIT_STOPPED, NICENESS, REPOSITORY, build_request,
                                    load_request_pair, start_builder)
 
@@ -141,6 +142,25 @@ def test_a_paused_builder_is_stopped_by_the_kernel_continues_and_still_ends(cach
         builder.pause(True)
         assert builder.stop(grace=30.0) == EXIT_STOPPED  # continued first: a stopped process cannot act on SIGTERM
     assert builder.status()["state"] == "stopped"
+
+
+def test_the_wait_clock_counts_a_paused_gap_as_one_poll():
+    times = iter([100.0, 100.5, 101.0, 131.0, 131.5])  # polls every 0.5 s, then 30 s stopped, then a poll
+    clock = WaitClock(gap=2.0, now=lambda: next(times))
+    assert [clock(), clock(), clock(), clock()] == [0.5, 1.0, 3.0, 3.5]
+
+
+def test_a_builder_paused_longer_than_its_lock_wait_keeps_waiting(cache):
+    with build_lock(cache, timeout=0):
+        builder = start(cache, "paused-wait", lock_wait_s=6.0)
+        wait_until(lambda: builder.status().get("state") == "waiting for lock", what="the builder waiting")
+        builder.pause(True)
+        time.sleep(10.0)  # longer than its lock wait: a run decoding for that long
+        builder.pause(False)
+        time.sleep(1.0)
+        state = builder.status().get("state")
+        builder.stop()
+    assert state == "waiting for lock"  # the paused 10 s counted as one poll's gap, not as 10 s of waiting
 
 
 def test_a_builder_stopped_while_compiling_leaves_nothing_behind(cache):

@@ -107,20 +107,38 @@ def room_for_compile(headroom: int, budget: int | None) -> int | None:
     return room
 
 
+class WaitClock:
+    """Seconds waited since it was made, read at every poll, where a gap between two reads longer than `gap` counts
+    as `gap`. The app pauses its builder (SIGSTOP) while a run decodes; a builder waiting for memory or the lock
+    cannot wait while stopped, so a long run must not use up its waits."""
+
+    def __init__(self, gap: float, now: Callable[[], float] = time.monotonic):
+        self.gap, self.now, self.waited = gap, now, 0.0
+        self.last = now()
+
+    def __call__(self) -> float:
+        now = self.now()
+        self.waited += min(now - self.last, self.gap)
+        self.last = now
+        return self.waited
+
+
 def wait_for_memory(need: int, *, headroom: int, budget: int | None, timeout: float, poll: float = 5.0,
                     on_wait: Callable[[int, int], None] | None = None) -> tuple[bool, int | None]:
-    """Wait until `need` bytes fit in `room_for_compile`, polling every `poll` s for up to `timeout` s; calls
-    `on_wait(need, room)` at every poll that finds too little. Returns (fits, the last room seen)."""
-    deadline = time.monotonic() + timeout
+    """Wait until `need` bytes fit in `room_for_compile`, polling every `poll` s for up to `timeout` s of waiting
+    (`WaitClock`: time paused does not count); calls `on_wait(need, room)` at every poll that finds too little.
+    Returns (fits, the last room seen)."""
+    waited = WaitClock(gap=2 * poll + 1.0)
     while True:
         room = room_for_compile(headroom, budget)
         if room is None or need <= room:
             return True, room
-        if time.monotonic() >= deadline:
+        left = timeout - waited()
+        if left <= 0:
             return False, room
         if on_wait is not None:
             on_wait(need, room)
-        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(poll, left))
 
 
 # -- one compile at a time --------------------------------------------------------------------------------------------
@@ -133,7 +151,8 @@ def lock_file(folder: Path) -> Path:
 def build_lock(folder: Path, timeout: float, poll: float = 0.5, holder: str = "",
                on_wait: Callable[[str], None] | None = None) -> Iterator[bool]:
     """Hold the advisory lock of the captured `folder` (fcntl.flock on folder/.build.lock) while the block runs;
-    yields True, or False when another process held it for `timeout` s. While waiting, `on_wait(holder text)` is
+    yields True, or False when another process held it for `timeout` s of waiting (`WaitClock`: time this process
+    was paused does not count). While waiting, `on_wait(holder text)` is
     called once with what the holder wrote into the lock file (its pid and package). The kernel releases the lock
     when its file is closed, so a killed builder never leaves it held.
 
@@ -142,7 +161,7 @@ def build_lock(folder: Path, timeout: float, poll: float = 0.5, holder: str = ""
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_file(folder), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline, told, held = time.monotonic() + timeout, False, False
+        waited, told, held = WaitClock(gap=2 * poll + 1.0), False, False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -152,7 +171,7 @@ def build_lock(folder: Path, timeout: float, poll: float = 0.5, holder: str = ""
                 if not told and on_wait is not None:
                     on_wait(os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process")
                     told = True
-                if time.monotonic() >= deadline:
+                if waited() >= timeout:
                     break
                 time.sleep(poll)
         if held:
