@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import process_state
+from procs import process_state, stat_fields, wait_until
 
 from engine.capture.aoti import Recipe, write_meta
 from engine.models.build_guard import (DEFAULT_PEAK_FIXED, WaitClock, build_lock, compile_peak_estimate,
@@ -47,13 +47,6 @@ def tiny_request(**limits) -> dict:
 def start(folder: Path, name: str, **limits):
     log = open(folder.parent / f"{name}.log", "w")  # the builder's stdout and stderr; closed with the test's process
     return start_builder(tiny_request(**limits), log)
-
-
-def wait_until(condition, timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def gone(pid: int, start_time: int) -> bool:
@@ -122,7 +115,7 @@ def test_the_builder_and_its_threads_run_at_the_lowest_priority(cache):
         builder = start(cache, "nice")
         wait_until(lambda: builder.status().get("state") == "waiting for lock", what="the builder waiting")
         tasks = list(Path(f"/proc/{builder.pid}/task").iterdir())
-        niceness = {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
+        niceness = {int(stat_fields(task / "stat")[16]) for task in tasks}
         autogroup = Path(f"/proc/{builder.pid}/autogroup")
         group = autogroup.read_text() if autogroup.exists() else None  # "/autogroup-N nice K" where the kernel has it
         builder.stop()

@@ -8,20 +8,13 @@ import re
 import time
 
 from engine.recipe import RunSpec, generate
-from procs import process_state
+from procs import process_state, wait_until
 from treeviz.serving.ar_cache import ARCache
 from treeviz.serving.pairs import PairManager
 from treeviz.serving.server import Server
 
 SPEC = RunSpec(pair="tiny-random", prompt="def tree(n):", strategy="dynatree", max_new_tokens=12,
                stop_on_eos=False)
-
-
-def wait_until(condition, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def wait_for_capture(pairs: PairManager, timeout: float = 900.0) -> None:
@@ -41,9 +34,9 @@ def test_first_start_serves_eagerly_then_switches_to_captured_steps(tmp_path, mo
     eager = generate(pair, SPEC)
     assert eager.config.steps == "eager"  # a run while the packages compile: eager, and says so
     with pairs.run_lock:  # a run decoding: the builder and its compilers are paused, and the page says so
-        wait_until(lambda: process_state(pairs.builder.pid) == "T", "the builder paused")
-        wait_until(lambda: "paused while a run decodes" in pairs.status().capture, "the page told")
-    wait_until(lambda: process_state(pairs.builder.pid) != "T", "the builder continued")
+        wait_until(lambda: process_state(pairs.builder.pid) == "T", 10.0, "the builder paused")
+        wait_until(lambda: "paused while a run decodes" in pairs.status().capture, 10.0, "the page told")
+    wait_until(lambda: process_state(pairs.builder.pid) != "T", 10.0, "the builder continued")
 
     wait_for_capture(pairs)
     loaded = {role: len(c.packages) for role, c in pair.captured.items()}
