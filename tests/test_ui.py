@@ -470,6 +470,64 @@ def test_a_run_reaches_the_decoder_through_at_most_four_generator_frames(monkeyp
     assert all(len(frames) <= 4 for frames in seen.values())
 
 
+RUN_STAGES = {"engine/decoder.py": {"start", "prefill", "draft", "verify", "commit", "record"},
+              "engine/core/tree.py": {"add"}, "engine/records.py": {"iteration_record"},
+              "engine/core/attention.py": {"tree_sdpa"}, "engine/cpu/kernels.py": {"forward"}}
+
+
+def run_stage(path: str, name: str) -> bool:
+    """Where a Run does its work: an iteration's stages, what they make (a tree node, a record), a strategy's build,
+    a verification, and inside each model forward its attention and linears."""
+    return (name in RUN_STAGES.get(path, ()) or path.startswith("engine/strategies/") and name == "build"
+            or path.startswith("engine/verify/") and name == "verify")
+
+
+def walkthrough_files() -> set[str]:
+    """The files ARCHITECTURE.md's "One Run click, file by file" names, one numbered line each."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    section = text.split("## One Run click, file by file", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1) for m in re.finditer(r"^\d+\. `([\w/]+\.py)`", section, re.MULTILINE)}
+
+
+def test_a_run_click_passes_through_at_most_15_files_and_architecture_names_them():
+    """The house's rule for the run path, counted like the generator frames: every file on the stack (the handler's
+    thread and the compute thread together) whenever a default Run (DynaTree, `auto`) is at work, and the file the
+    work is in. ARCHITECTURE.md's walk-through names exactly these."""
+    import sys
+    from types import SimpleNamespace
+
+    from treeviz.page import handlers
+    from treeviz.serving.compute_thread import COMPUTE
+    backend()  # the app (and its tiny pair) is up
+    ours = re.compile(r"/((?:engine|treeviz)/.*\.py|app\.py)$")
+    passed: set[str] = set()
+
+    def files(frame) -> list[str]:
+        out = []
+        while frame is not None:
+            match = ours.search(frame.f_code.co_filename)
+            out += [match.group(1)] if match else []
+            frame = frame.f_back
+        return out
+
+    def watch(frame, event, arg):
+        match = ours.search(frame.f_code.co_filename) if event == "call" else None
+        if match and run_stage(match.group(1), frame.f_code.co_name):
+            stacks = [files(f) for f in sys._current_frames().values()]
+            passed.update(files(frame), *(s for s in stacks if "treeviz/page/handlers.py" in s))
+
+    COMPUTE.call(sys.setprofile, watch)
+    try:
+        list(handlers.run("def walk(n):\n", False, "tiny-random", "dynatree", "auto", 12, 0.0, 1.0, 0, 0, "auto",
+                          {}, "per iteration", SimpleNamespace(session_hash="walk-test")))
+    finally:
+        COMPUTE.call(sys.setprofile, None)
+    assert {"treeviz/page/handlers.py", "engine/decoder.py", "engine/strategies/dynatree.py",
+            "engine/verify/greedy.py"} <= passed  # the trace saw the handler, the loop, the strategy and the rule
+    assert len(passed) <= 15, sorted(passed)
+    assert passed == walkthrough_files(), sorted(passed)
+
+
 def test_the_page_names_each_handlers_inputs_by_its_parameters():
     """Components are declared once, by name (Page's fields): a handler's inputs are the components named by its own
     parameters, a misspelt name fails while the page is built, and an undeclared one says which it is."""

@@ -2,8 +2,10 @@
 (Race) and `sweep_events` (Sweep), each stepped event by event by its RunSession (treeviz/serving/session.py).
 
 One shape for all four, the ZeroGPU contract: a module-level generator under `@boundary(duration=...)` taking
-picklable arguments (a RunSpec, lists, the session's Ticket last) and yielding picklable events. On a Space each runs
-in a forked worker, so the work takes no lock (the pair is read as loaded, `SERVER.loaded_pair`), learns of Stop from
+picklable arguments (a RunSpec, lists, the session's Ticket last) and yielding picklable events. The work is handed
+the pair's name, never the pair, and reads the pair itself (`SERVER.loaded_pair`): on a Space each runs in a forked
+worker that receives its arguments pickled, and the pair (gigabytes, placed on `cuda` at start) can only be inherited
+by the fork, never sent; one path serves every device. So the work takes no lock, learns of Stop from
 its ticket between iterations (every unobserved run too), reads the AR cached in the main process from its ticket and
 sends what it measures back as ARMeasured (the session caches it there). `boundary` gives every error words that
 survive the worker: the page's error type carrying its plain sentence.
