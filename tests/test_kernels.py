@@ -513,3 +513,60 @@ def test_page_out_keeps_a_mapped_weight_readable_and_frees_its_pages(tmp_path):
     if os.path.exists("/proc/self/maps"):
         assert cached_fraction(file) > 0.9  # unmapped, not evicted: MADV_PAGEOUT would have dropped it
     assert float(weight.sum()) == total
+
+
+# -- quantised formats kept on disk between starts (engine/measure/formats.py stored_file) ----------------------------
+
+def keeping(model, path: str):
+    """A FormatChoice that keeps `path` alone for every shape group of `model` (each group's table says it is best)."""
+    from engine.measure.formats import FormatChoice, GroupChoice
+    groups = {}
+    for layer in kernels.routed_linears(model):
+        groups.setdefault(layer.group, GroupChoice({path: {1: 1.0}}, [path], 0))
+    return FormatChoice(groups, {path: 1.0})
+
+
+def made_whole(path: str, seed: int = 0):
+    from engine.capture.packages import remember_fingerprint
+    from engine.measure.formats import make_whole
+    model = tiny_random_pair("related", seed=seed, num_layers=2).draft
+    route_linears(model)
+    remember_fingerprint(model)
+    make_whole(model, keeping(model, path))
+    return model
+
+
+@pytest.mark.parametrize("path", ["int8", "int4", "dyn8"])
+def test_a_quantised_format_read_back_from_disk_computes_exactly_what_was_made(path, monkeypatch, tmp_path):
+    """A warm start reads a draft's quantised formats instead of quantising its float weights again: the layers then
+    hold the same codes and compute the same numbers, bit for bit, for one row and for 16; other weights get a file
+    of their own, and a damaged file costs a remake, never a start."""
+    if path == "dyn8" and kernels.dyn8_unavailable() is not None:
+        pytest.skip(kernels.dyn8_unavailable())
+    monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
+    made = made_whole(path)
+    files = list((tmp_path / "formats").iterdir())
+    assert len(files) == 1
+    making = RoutedLinear.add
+
+    def only_unquantised(self, format_path, *args):
+        assert format_path not in kernels.QUANTISED, f"{format_path} was made again, not read back"
+        return making(self, format_path, *args)
+    monkeypatch.setattr(RoutedLinear, "add", only_unquantised)
+    read = made_whole(path)
+    pairs = list(zip(kernels.routed_linears(made), kernels.routed_linears(read)))
+    assert sum(path in a.paths for a, _ in pairs) >= 4  # the format is there to compare
+    torch.manual_seed(1)
+    for a, b in pairs:
+        assert a.paths == b.paths
+        for rows in (1, 16):
+            x = torch.randn(rows, a.in_features)
+            assert torch.equal(a(x), b(x))
+    monkeypatch.setattr(RoutedLinear, "add", making)
+    made_whole(path, seed=1)  # other weights: another file
+    assert len(list((tmp_path / "formats").iterdir())) == 2
+    files[0].write_bytes(b"not a safetensors file")
+    again = made_whole(path)
+    x = torch.randn(3, pairs[0][0].in_features)
+    assert torch.equal(kernels.routed_linears(again)[0](x), pairs[0][0](x))
+    assert files[0].stat().st_size > 100  # rewritten whole

@@ -214,14 +214,18 @@ def _pack_dyn8(weight: torch.Tensor) -> tuple[torch.ScriptObject, int]:
     with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors, but prepacking still takes one
         warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel")
         qweight = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
+    return _prepack_dyn8(qweight), qweight.numel() + 12 * weight.shape[0]
+
+
+def _prepack_dyn8(qweight: torch.Tensor) -> torch.ScriptObject:
+    """fbgemm's packed weight for a per-channel qint8 weight."""
     engines = torch.backends.quantized.supported_engines
     before = torch.backends.quantized.engine
     torch.backends.quantized.engine = "fbgemm" if "fbgemm" in engines else "x86"  # packing dispatches on it
     try:
-        params = torch.ops.quantized.linear_prepack(qweight, None)
+        return torch.ops.quantized.linear_prepack(qweight, None)
     finally:
         torch.backends.quantized.engine = before
-    return params, qweight.numel() + 12 * weight.shape[0]
 
 
 @torch.library.custom_op("treeviz::linear", mutates_args=())
@@ -300,15 +304,17 @@ class RoutedLinear(nn.Module):
         reason = format_unavailable("dyn8", self.weight.device, self.weight.dtype)
         if reason:
             raise PackingError(reason)
+        self._keep_dyn8(*_pack_dyn8(self.weight.detach().float()))
+        return True
+
+    def _keep_dyn8(self, params: torch.ScriptObject, nbytes: int) -> None:
         self._free_dyn8()
-        params, nbytes = _pack_dyn8(self.weight.detach().float())
         key = next(_DYN8_KEYS)
         handle = torch.tensor([key], dtype=torch.int64)
         _DYN8[key] = _Dyn8Entry(params, nbytes, weakref.ref(handle))
         self.register_buffer("dyn8_handle", handle, persistent=False)
         self._dyn8_release = weakref.finalize(self, _DYN8.pop, key, None)  # a layer collected undropped frees it too
         self.paths.add("dyn8")
-        return True
 
     def _free_dyn8(self) -> None:
         release = self.__dict__.pop("_dyn8_release", None)
@@ -333,6 +339,32 @@ class RoutedLinear(nn.Module):
         self.int4_group = group
         self.paths.add("int4")
         return True
+
+    # -- a quantised format kept on disk ------------------------------------------------------------------------
+    def stored(self, path: str) -> dict[str, torch.Tensor]:
+        """The plain tensors that remake quantised format `path` (QUANTISED) without the float weight: int8's and
+        int4's own buffers, dyn8's int8 codes and per-channel scales (fbgemm's packing is an object, not a tensor).
+        Quantising reads every float weight; these are a quarter of its bytes (engine/measure/formats.py)."""
+        if path == "dyn8":
+            qweight, _ = torch.ops.quantized.linear_unpack(dyn8_params(self.dyn8_handle))
+            return {"codes": qweight.int_repr(), "scales": qweight.q_per_channel_scales()}
+        return {name: getattr(self, name) for name in FORMAT_TENSORS[path]}
+
+    @torch.no_grad()
+    def restore(self, path: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Format `path` from what `stored` returned: the same weights and kernels as `add` makes them."""
+        if path == "dyn8":
+            reason = format_unavailable("dyn8", self.weight.device, self.weight.dtype)
+            if reason:
+                raise PackingError(reason)
+            codes = tensors["codes"]
+            zeros = torch.zeros(codes.shape[0], dtype=torch.long)
+            qweight = torch._make_per_channel_quantized_tensor(codes, tensors["scales"].double(), zeros, 0)
+            self._keep_dyn8(_prepack_dyn8(qweight), codes.numel() + 12 * codes.shape[0])
+            return
+        for name in FORMAT_TENSORS[path]:
+            self.register_buffer(name, tensors[name], persistent=False)
+        self.paths.add(path)
 
     def takes(self, path: str) -> bool:
         """Whether this layer's shape takes format `path` (int4: in_features a multiple of its group, out_features of

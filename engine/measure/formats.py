@@ -22,6 +22,8 @@ kept, as routed.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import time
@@ -30,8 +32,11 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu.kernels import (PATHS, RoutedLinear, available_memory, format_unavailable, routed_linears,
-                                 router_of, tensor_bytes, tied_weights)
+from safetensors.torch import load_file, save_file
+
+from engine.core.runtime import cache_dir
+from engine.cpu.kernels import (INT4_GROUP, PATHS, QUANTISED, RoutedLinear, available_memory, format_unavailable,
+                                 routed_linears, router_of, tensor_bytes, tied_weights)
 from engine.core.steps import LADDER
 from engine.measure.costs import machine, model_identity, read_cached, table_file, write_json
 from engine.measure.ladder import climb, interpolate
@@ -39,6 +44,7 @@ from engine.measure.quiet import watch_cpu
 
 SHARE = 1.05  # a second format is kept only where it beats the first by more than this
 REPEATS = 3
+STORED = 1  # bump when what stored_file keeps changes meaning
 FORMAT = 5  # bump when a cached probe's meaning changes (5: cached only where probed on a quiet machine)
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # How much each row count's speed matters when memory forces a choice: one row is every AR step and most draft
@@ -293,17 +299,63 @@ def plan_memory(choices: list[FormatChoice], budget: int) -> list[str]:
 def make_whole(model, choice: FormatChoice, compute_dtype: torch.dtype | None = None) -> None:
     """Give every linear of `model` the formats its group keeps, layer by layer, freeing a plain weight right after
     its replacement is made (so two whole copies never coexist; a tied one stays), and install the groups'
-    routing. Formats a layer's shape cannot take leave that layer on what it has."""
-    tied = tied_weights(model)
-    for layer in routed_linears(model):
+    routing. Formats a layer's shape cannot take leave that layer on what it has. A quantised format is read back
+    from disk where an earlier start made it for these very weights (`stored_file`), else made and written there."""
+    tied, file = tied_weights(model), stored_file(model)
+    stored, made = read_stored(file), {}
+    for name, layer in named_routed_linears(model):
         kept = choice.groups[layer.group].kept
-        for path in kept:
-            if layer.takes(path):
-                layer.add(path, compute_dtype)
+        for path in (p for p in kept if layer.takes(p)):
+            tensors = {k.rsplit("/", 1)[1]: t for k, t in stored.items() if k.startswith(f"{name}/{path}/")}
+            if tensors:
+                layer.restore(path, tensors)
+                continue
+            layer.add(path, compute_dtype)
+            if path in QUANTISED and file is not None:
+                made.update({f"{name}/{path}/{k}": t for k, t in layer.stored(path).items()})
         if "plain" not in kept and id(layer.weight) not in tied and all(layer.takes(p) for p in kept):
             layer.drop("plain")
+    if made:
+        write_stored(file, {**stored, **made})
     router = router_of(model)
     router.paths = [p for p in PATHS if any(p in layer.paths for layer in routed_linears(model))]
     biggest = max(choice.groups.values(), key=lambda g: g.plain_bytes)
     router.default = biggest.kept[0]
     router.install([], choice.routing())
+
+
+# -- quantised formats on disk ------------------------------------------------------------------------------------------
+
+def named_routed_linears(model) -> list[tuple[str, RoutedLinear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, RoutedLinear)]
+
+
+def stored_file(model) -> Path | None:
+    """Where `model`'s quantised formats are kept between starts: keyed by its weights (the fingerprint taken at
+    load, after any head trim), dtype, layer shapes, the formats' version and torch's; None for a model without a
+    fingerprint. Quantising a 0.5B draft read 1.4 GB of float weights and took ~4 s of a 2-core Zen 3's warm start
+    (docs/experiments/2026-11-28-second-start.md)."""
+    fingerprint = getattr(model, "treeviz_fingerprint", None)
+    if fingerprint is None:
+        return None
+    key = {"stored": STORED, "fingerprint": fingerprint, "dtype": str(model.dtype), "torch": torch.__version__,
+           "int4_group": INT4_GROUP, "shapes": [[n, m.out_features, m.in_features] for n, m in named_routed_linears(model)]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "formats" / f"{digest}.safetensors"
+
+
+def read_stored(file: Path | None) -> dict[str, torch.Tensor]:
+    """The tensors kept in `file`, or {} (none yet, or unreadable: the formats are then made again)."""
+    if file is None or not file.is_file():
+        return {}
+    try:
+        return load_file(file)
+    except Exception:  # noqa: BLE001 - a damaged file costs one remake, never a start
+        return {}
+
+
+def write_stored(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f".tmp-{file.name}-{os.getpid()}")
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp))
+    os.replace(tmp, file)  # a crash never leaves half a file
