@@ -565,6 +565,13 @@ def test_a_quantised_format_read_back_from_disk_computes_exactly_what_was_made(p
     monkeypatch.setattr(RoutedLinear, "add", making)
     made_whole(path, seed=1)  # other weights: another file
     assert len(list((tmp_path / "formats").iterdir())) == 2
+    def refused(*args):
+        raise OSError("no space left on device")
+    monkeypatch.setattr("engine.measure.formats.save_file", refused)
+    made_whole(path, seed=2)  # a disk that refuses the write costs the next start a remake, never this one
+    assert len(list((tmp_path / "formats").iterdir())) == 2
+    monkeypatch.undo()
+    monkeypatch.setenv("TREEVIZ_CACHE", str(tmp_path))
     files[0].write_bytes(b"not a safetensors file")
     again = made_whole(path)
     x = torch.randn(3, pairs[0][0].in_features)

@@ -338,8 +338,9 @@ def stored_file(model) -> Path | None:
     fingerprint = getattr(model, "treeviz_fingerprint", None)
     if fingerprint is None:
         return None
+    shapes = [[name, m.out_features, m.in_features] for name, m in named_routed_linears(model)]
     key = {"stored": STORED, "fingerprint": fingerprint, "dtype": str(model.dtype), "torch": torch.__version__,
-           "int4_group": INT4_GROUP, "shapes": [[n, m.out_features, m.in_features] for n, m in named_routed_linears(model)]}
+           "int4_group": INT4_GROUP, "shapes": shapes}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "formats" / f"{digest}.safetensors"
 
@@ -355,7 +356,11 @@ def read_stored(file: Path | None) -> dict[str, torch.Tensor]:
 
 
 def write_stored(file: Path, tensors: dict[str, torch.Tensor]) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
+    """Keep `tensors` in `file` for the next start; a disk that refuses costs that start a remake, never this one."""
     tmp = file.with_name(f".tmp-{file.name}-{os.getpid()}")
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp))
-    os.replace(tmp, file)  # a crash never leaves half a file
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp))
+        os.replace(tmp, file)  # a crash never leaves half a file
+    except OSError:
+        tmp.unlink(missing_ok=True)

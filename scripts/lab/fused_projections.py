@@ -54,8 +54,9 @@ def main() -> None:
             fused = median_us(lambda: qkv(x))
             mlp_apart = median_us(lambda: (gate(x), up(x)))
             mlp_fused = median_us(lambda: gate_up(x))
-            print(f"{name:11} rows {rows:2}: q+k+v {apart:7.1f} us, q|k|v {fused:7.1f} us; gate+up {mlp_apart:7.1f} us, "
-                  f"gate|up {mlp_fused:7.1f} us; saved per layer {apart - fused + mlp_apart - mlp_fused:7.1f} us")
+            saved = apart - fused + mlp_apart - mlp_fused
+            print(f"{name:11} rows {rows:2}: q+k+v {apart:7.1f} us, q|k|v {fused:7.1f} us; "
+                  f"gate+up {mlp_apart:7.1f} us, gate|up {mlp_fused:7.1f} us; saved per layer {saved:7.1f} us")
 
 
 if __name__ == "__main__":
