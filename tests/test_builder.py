@@ -139,7 +139,7 @@ def test_a_paused_builder_is_stopped_by_the_kernel_continues_and_still_ends(cach
 
 def test_the_wait_clock_counts_a_paused_gap_as_one_poll():
     times = iter([100.0, 100.5, 101.0, 131.0, 131.5])  # polls every 0.5 s, then 30 s stopped, then a poll
-    clock = WaitClock(gap=2.0, now=lambda: next(times))
+    clock = WaitClock(poll=0.5, now=lambda: next(times))  # a gap over 2 polls + 1 s counts as 2 s
     assert [clock(), clock(), clock(), clock()] == [0.5, 1.0, 3.0, 3.5]
 
 

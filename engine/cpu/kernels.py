@@ -214,18 +214,19 @@ def _pack_dyn8(weight: torch.Tensor) -> tuple[torch.ScriptObject, int]:
     with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors, but prepacking still takes one
         warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel")
         qweight = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
-    return _prepack_dyn8(qweight), qweight.numel() + 12 * weight.shape[0]
+    return _prepack_dyn8(qweight)
 
 
-def _prepack_dyn8(qweight: torch.Tensor) -> torch.ScriptObject:
-    """fbgemm's packed weight for a per-channel qint8 weight."""
+def _prepack_dyn8(qweight: torch.Tensor) -> tuple[torch.ScriptObject, int]:
+    """(fbgemm's packed weight, its bytes as `_pack_dyn8` counts them) for a per-channel qint8 weight."""
     engines = torch.backends.quantized.supported_engines
     before = torch.backends.quantized.engine
     torch.backends.quantized.engine = "fbgemm" if "fbgemm" in engines else "x86"  # packing dispatches on it
     try:
-        return torch.ops.quantized.linear_prepack(qweight, None)
+        params = torch.ops.quantized.linear_prepack(qweight, None)
     finally:
         torch.backends.quantized.engine = before
+    return params, qweight.numel() + 12 * qweight.shape[0]
 
 
 @torch.library.custom_op("treeviz::linear", mutates_args=())
@@ -301,11 +302,14 @@ class RoutedLinear(nn.Module):
         """Pack the weight for fbgemm's dynamic-quantised linear (`_pack_dyn8`), kept in the registry under a fresh
         key that the `dyn8_handle` buffer holds; a packing made before is freed first. PackingError where fbgemm
         cannot run (`format_unavailable`)."""
+        self._check_dyn8()
+        self._keep_dyn8(*_pack_dyn8(self.weight.detach().float()))
+        return True
+
+    def _check_dyn8(self) -> None:
         reason = format_unavailable("dyn8", self.weight.device, self.weight.dtype)
         if reason:
             raise PackingError(reason)
-        self._keep_dyn8(*_pack_dyn8(self.weight.detach().float()))
-        return True
 
     def _keep_dyn8(self, params: torch.ScriptObject, nbytes: int) -> None:
         self._free_dyn8()
@@ -354,13 +358,11 @@ class RoutedLinear(nn.Module):
     def restore(self, path: str, tensors: dict[str, torch.Tensor]) -> None:
         """Format `path` from what `stored` returned: the same weights and kernels as `add` makes them."""
         if path == "dyn8":
-            reason = format_unavailable("dyn8", self.weight.device, self.weight.dtype)
-            if reason:
-                raise PackingError(reason)
+            self._check_dyn8()
             codes = tensors["codes"]
             zeros = torch.zeros(codes.shape[0], dtype=torch.long)
             qweight = torch._make_per_channel_quantized_tensor(codes, tensors["scales"].double(), zeros, 0)
-            self._keep_dyn8(_prepack_dyn8(qweight), codes.numel() + 12 * codes.shape[0])
+            self._keep_dyn8(*_prepack_dyn8(qweight))
             return
         for name in FORMAT_TENSORS[path]:
             self.register_buffer(name, tensors[name], persistent=False)
@@ -499,8 +501,12 @@ def router_of(model: nn.Module) -> Router | None:
     return getattr(model, "kernel_router", None)
 
 
+def named_routed_linears(model: nn.Module) -> list[tuple[str, RoutedLinear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, RoutedLinear)]
+
+
 def routed_linears(model: nn.Module) -> list[RoutedLinear]:
-    return [m for m in model.modules() if isinstance(m, RoutedLinear)]
+    return [m for _, m in named_routed_linears(model)]
 
 
 def route_linears(model: nn.Module) -> Router:

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.core.runtime import cache_dir
 from engine.cpu.kernels import (INT4_GROUP, PATHS, QUANTISED, RoutedLinear, available_memory, format_unavailable,
-                                 routed_linears, router_of, tensor_bytes, tied_weights)
+                                 named_routed_linears, routed_linears, router_of, tensor_bytes, tied_weights)
 from engine.core.steps import LADDER
 from engine.measure.costs import machine, model_identity, read_cached, table_file, write_json
 from engine.measure.ladder import climb, interpolate
@@ -326,14 +326,10 @@ def make_whole(model, choice: FormatChoice, compute_dtype: torch.dtype | None = 
 
 # -- quantised formats on disk ------------------------------------------------------------------------------------------
 
-def named_routed_linears(model) -> list[tuple[str, RoutedLinear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, RoutedLinear)]
-
-
 def stored_file(model) -> Path | None:
     """Where `model`'s quantised formats are kept between starts: keyed by its weights (the fingerprint taken at
     load, after any head trim), dtype, layer shapes, the formats' version and torch's; None for a model without a
-    fingerprint. Quantising a 0.5B draft read 1.4 GB of float weights and took ~4 s of a 2-core Zen 3's warm start
+    fingerprint. Quantising again would read every float weight at every start
     (docs/experiments/2026-11-28-second-start.md)."""
     fingerprint = getattr(model, "treeviz_fingerprint", None)
     if fingerprint is None:

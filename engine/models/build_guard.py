@@ -108,12 +108,12 @@ def room_for_compile(headroom: int, budget: int | None) -> int | None:
 
 
 class WaitClock:
-    """Seconds waited since it was made, read at every poll, where a gap between two reads longer than `gap` counts
-    as `gap`. The app pauses its builder (SIGSTOP) while a run decodes; a builder waiting for memory or the lock
-    cannot wait while stopped, so a long run must not use up its waits."""
+    """Seconds waited since it was made, read at every poll of period `poll`, where a gap between two reads longer
+    than two polls and a second counts as that much. The app pauses its builder (SIGSTOP) while a run decodes; a
+    builder waiting for memory or the lock cannot wait while stopped, so a long run must not use up its waits."""
 
-    def __init__(self, gap: float, now: Callable[[], float] = time.monotonic):
-        self.gap, self.now, self.waited = gap, now, 0.0
+    def __init__(self, poll: float, now: Callable[[], float] = time.monotonic):
+        self.gap, self.now, self.waited = 2 * poll + 1.0, now, 0.0
         self.last = now()
 
     def __call__(self) -> float:
@@ -128,7 +128,7 @@ def wait_for_memory(need: int, *, headroom: int, budget: int | None, timeout: fl
     """Wait until `need` bytes fit in `room_for_compile`, polling every `poll` s for up to `timeout` s of waiting
     (`WaitClock`: time paused does not count); calls `on_wait(need, room)` at every poll that finds too little.
     Returns (fits, the last room seen)."""
-    waited = WaitClock(gap=2 * poll + 1.0)
+    waited = WaitClock(poll)
     while True:
         room = room_for_compile(headroom, budget)
         if room is None or need <= room:
@@ -161,7 +161,7 @@ def build_lock(folder: Path, timeout: float, poll: float = 0.5, holder: str = ""
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_file(folder), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        waited, told, held = WaitClock(gap=2 * poll + 1.0), False, False
+        waited, told, held = WaitClock(poll), False, False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
