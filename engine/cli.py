@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 from engine.bench.configuration import APP_CONFIGURATION, configuration_text, run_configuration
@@ -171,7 +172,7 @@ def _models(args) -> tuple[str, str | None]:
 
 
 def _load(args):
-    from engine.capture.packages import prepare_capture
+    from engine.cpu.packages import prepare_capture
     from engine.models import load_pair
     target, draft = _models(args)
 
@@ -299,7 +300,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_costs(args) -> int:
-    from engine.capture.packages import format_capture
+    from engine.cpu.packages import format_capture
     from engine.measure.costs import format_costs
     pair = _load(args)
     configuration = _configuration(args, pair, None)
@@ -313,6 +314,30 @@ def cmd_costs(args) -> int:
         Path(args.json).write_text(json.dumps({**pair.costs.to_dict(), "configuration": configuration}, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def load_request_pair(request: dict):
+    """The pair a builder's request names, loaded as the app loads it (so its package keys are the app's), then
+    stripped of the weights no package build reads (aoti.release_weights): the builder holds norms and biases, not
+    gigabytes."""
+    from engine.cpu.aoti import release_weights
+    from engine.models.loading import load_pair
+    pair = load_pair(request["target"], request["draft"], dtype=request["dtype"], device=request["device"],
+                     packed="off", calibrate=False, draft_vocab=request.get("draft_vocab"))
+    for _, model, _ in pair.models():  # a package's key does not depend on the formats the app's models keep
+        release_weights(model)
+    return pair
+
+
+def cmd_build(args) -> int:
+    """The builder process (engine/cpu/builder.py `start_builder` starts it): a failure ends it with status 1 and its
+    traceback in the log, as the builder's contract says, never with this command line's one-line errors."""
+    from engine.cpu.builder import run
+    try:
+        return run(Path(args.request), load_request_pair)
+    except Exception:
+        traceback.print_exc()
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -363,6 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     c.add_argument("--json", help="write the table to this file")
     c.set_defaults(func=cmd_costs)
+
+    d = sub.add_parser("build", help="compile a pair's missing captured CPU steps from a request file: the process "
+                                     "the app starts on a fresh cache (engine/cpu/builder.py)")
+    d.add_argument("request", help="the request JSON (engine/cpu/builder.py build_request)")
+    d.set_defaults(func=cmd_build)
     return parser
 
 

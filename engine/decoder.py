@@ -28,7 +28,7 @@ import torch
 from engine.core import device_draft, kv
 from engine.core.drafter import Drafter, softmax_processor
 from engine.core.prompts import Prompt, PromptError, encode_prompt, prompt_text
-from engine.core.runtime import synchronize
+from engine.runtime import synchronize
 from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, pair_static_steps
 from engine.core.tensor_tree import TensorTree
@@ -84,7 +84,7 @@ class Decoder:
     sampling: Sampling | None = None  # None: greedy (temperature 0)
     # steps "auto" | "static" | "dynamic" (engine/core/steps.py): "auto" is static exactly when the run takes the
     # pair's captured steps; capture "auto" | "off": "auto" takes them wherever the pair has them ready
-    # (engine/capture/packages.py), so runs take the steps its cost table measured; "off" runs eagerly (the bench's
+    # (engine/cpu/packages.py), so runs take the steps its cost table measured; "off" runs eagerly (the bench's
     # eager AR).
     steps: str = "auto"
     capture: str = "auto"

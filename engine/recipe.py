@@ -40,7 +40,7 @@ class RunSpec:
     stop_strings: tuple[str, ...] = ()
     # How model forwards run (engine/core/steps.py): "dynamic" (a growing cache), "static" (a preallocated cache,
     # row-count buckets) or "auto" (static exactly when the run takes the pair's captured steps); capture "auto"
-    # takes them wherever the pair has them ready (engine/capture/packages.py), "off" runs eagerly.
+    # takes them wherever the pair has them ready (engine/cpu/packages.py), "off" runs eagerly.
     steps: str = "auto"
     capture: str = "auto"
     # Where a tree's choices are made (engine/core/device_draft.py): "host", or "device" for the strategies that plan

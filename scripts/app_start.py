@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 
 from engine.core.prompts import load_prompt_set
+from engine.cpu.build_guard import GiB, identities, kill_tree, proc_stat
 from engine.measure import costs
-from engine.models.build_guard import GiB, identities, kill_tree, proc_stat
 from scripts.ui_latency import free_port, has_tree
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def _read(path: str) -> str:
 def role(name: str, command: str) -> str:
     """A short name for a process of the tree: app, builder, inductor (its compile workers and kernel checks),
     else the executable's (g++, cc1plus, ...)."""
-    for marker, label in (("app.py", "app"), ("engine.models.builder", "builder"), ("torchinductor", "inductor"),
+    for marker, label in (("app.py", "app"), ("-m engine build", "builder"), ("torchinductor", "inductor"),
                           ("torch._inductor", "inductor")):
         if marker in command:
             return label

@@ -5,7 +5,7 @@
 
 Models are randomly initialised at their published shapes (engine/models/shapes.py; cost depends on the shapes, not
 the weights). Per model, the engine's own calibration (engine/measure/costs.py): `measure` on the eager path (a growing
-cache), and, on CUDA, `measure_graphed` (engine/capture/packages.py) through the engine's static steps with one captured
+cache), and, on CUDA, `measure_graphed` (engine/measure/graphed.py) through the engine's static steps with one captured
 graph per rung -- the steps runs take. Then, on CUDA:
 - capture: seconds per bucket and the GPU memory the graphs hold (StaticSteps.capture_info);
 - a single-row replay's wall time against the summed duration of the kernels it ran (torch.profiler): how close a
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from engine.capture.packages import measure_graphed
-from engine.core.runtime import synchronize
+from engine.runtime import synchronize
 from engine.core.steps import StaticSteps
 from engine.measure.costs import LADDER, PREFIX, measure, probe_ids
+from engine.measure.graphed import measure_graphed
 from engine.models.shapes import shape_model
 
 DEFAULT_PAIRS = ("qwen2.5-1.5b/qwen2.5-0.5b,qwen2.5-7b/qwen2.5-0.5b,qwen3-8b/qwen3-0.6b,"

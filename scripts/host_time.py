@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from engine.capture.packages import prepare_capture
 from engine.core.steps import DynamicSteps, StaticSteps
+from engine.cpu.packages import prepare_capture
 from engine.decoder import Decoder, DecodeRun
-from engine.measure.costs import calibrate_pair
 from engine.models import tiny_random_pair
+from engine.models.loading import calibrate_pair
 from engine.strategies import make_strategy
 
 PROMPT = "the host's share of a tree iteration, measured on a pair whose forwards cost almost nothing: "

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from engine.models.build_guard import proc_stat
+from engine.cpu.build_guard import proc_stat
 from scripts.app_start import SERVING, UNAVAILABLE, App, LogWatch
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,8 +1,8 @@
-"""The builder process (engine/models/builder.py) lives within its limits (engine/models/build_guard.py): one compile
+"""The builder process (engine/cpu/builder.py) lives within its limits (engine/cpu/build_guard.py): one compile
 at a time across processes, a compile that does not fit in memory declined with a message, an end with the app that
 started it, its state in a status file.
 
-Every builder here is a real process on the tiny pair (`python -m engine.models.builder` through start_builder). One
+Every builder here is a real process on the tiny pair (`python -m engine build` through start_builder). One
 test compiles (the tiny target's one-row package: tens of seconds on 2 cores); the others hold the build lock or give
 no memory, so nothing compiles.
 """
@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 from procs import process_state, stat_fields, wait_until
 
-from engine.capture.aoti import Recipe, write_meta
-from engine.models.build_guard import (DEFAULT_PEAK_FIXED, WaitClock, build_lock, compile_peak_estimate,
-                                       descendants, earlier_peaks, identities, package_weight_bytes, proc_stat,
-                                       watch_parent)
-from engine.models.builder import (EXIT_DECLINED, EXIT_STOPPED, NICENESS, REPOSITORY, build_request,
-                                   load_request_pair, start_builder)
+from engine.cpu.aoti import Recipe, write_meta
+from engine.cpu.build_guard import (DEFAULT_PEAK_FIXED, WaitClock, build_lock, compile_peak_estimate,
+                                    descendants, earlier_peaks, identities, package_weight_bytes, proc_stat,
+                                    watch_parent)
+from engine.cli import load_request_pair
+from engine.cpu.builder import EXIT_DECLINED, EXIT_STOPPED, NICENESS, REPOSITORY, build_request, start_builder
 
 ONE_ROW = Recipe(1, "plain")
 
@@ -171,8 +171,9 @@ def test_a_builder_stopped_while_compiling_leaves_nothing_behind(cache):
 
 PARENT = textwrap.dedent("""
     import sys, threading, time
-    from engine.models.builder import build_request, load_request_pair, start_builder
-    from engine.capture.aoti import Recipe
+    from engine.cli import load_request_pair
+    from engine.cpu.builder import build_request, start_builder
+    from engine.cpu.aoti import Recipe
     pair = load_request_pair({"target": "tiny-random", "draft": None, "dtype": "float32", "device": "cpu"})
     started = []
     def start():  # in a thread that ends once the builder runs (and has asked for its death signal)

@@ -1,4 +1,4 @@
-"""Captured CPU steps (engine/capture/aoti.py, engine/capture/packages.py) compute what the eager path computes.
+"""Captured CPU steps (engine/cpu/aoti.py, engine/cpu/packages.py) compute what the eager path computes.
 
 Everything here runs the production path on tiny fp32 pairs: torch.export with one-element stand-ins for the weights,
 AOTInductor's compile, the package on disk, its runner bound to the model's own weights inside StaticSteps, the
@@ -16,16 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.bench.captured_ar import CapturedAR
 from engine.bench.tables import AR_CAPTURED, AR_EAGER, bench
-from engine.capture import aoti
-from engine.capture.captured_ar import CapturedAR
-from engine.capture.packages import (CaptureUnavailable, CapturedModel, Package, capture_backend, install, plan,
-                                     prepare_capture, prepare_model, recipe_key)
-from engine.cpu.kernels import quantize_linears, router_of
 from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, StaticSteps, causal_visibility
-from engine.measure.costs import CAPTURED, ModelCosts, calibrate_pair
+from engine.cpu import aoti
+from engine.cpu.kernels import quantize_linears, router_of
+from engine.cpu.packages import CapturedModel, Package, install, plan, prepare_capture, prepare_model, recipe_key
+from engine.measure.costs import CAPTURED, ModelCosts
 from engine.models import tiny_random_model, tiny_random_pair
+from engine.models.devices import CaptureUnavailable, capture_backend
+from engine.models.loading import calibrate_pair
 from engine.recipe import RunSpec, generate
 from engine.strategies import STRATEGIES
 
@@ -155,7 +156,7 @@ def test_the_bench_runs_every_ar_and_divides_by_the_fastest(pair):
 def test_a_package_is_compiled_once_and_loaded_after(pair, monkeypatch):
     def refuse(*args):
         raise AssertionError("compiled again")
-    monkeypatch.setattr("engine.capture.packages.build", refuse)
+    monkeypatch.setattr("engine.cpu.packages.build", refuse)
     again = prepare_model(pair.target, pair.target_name, "target")
     assert [p.compile_s for p in again.packages] == [None, None] and not any("failed" in n for n in again.notes)
 

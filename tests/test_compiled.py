@@ -1,14 +1,14 @@
-"""The ar-compiled baseline (engine/capture/compiled.py): the compiled step decodes what the engine's AR decodes."""
+"""The ar-compiled baseline (engine/bench/compiled.py): the compiled step decodes what the engine's AR decodes."""
 import os
 
 import pytest
 import torch
 
-from engine.capture.compiled import CompileError, CompiledAR, compile_available
+from engine.bench.compiled import CompileError, CompiledAR, compile_available
 from engine.core.attention import GQA_SWITCH, compiled_attention
-from engine.cpu.kernels import router_of
 from engine.core.prompts import encode_prompt
 from engine.core.sampling import Sampling
+from engine.cpu.kernels import router_of
 from engine.decoder import Decoder
 from engine.models import tiny_random_pair
 from engine.strategies import make_strategy

@@ -1,5 +1,5 @@
 """The pieces a GPU run takes, checked on the CPU (and, with TREEVIZ_TEST_DEVICE=cuda, on captured CUDA graphs):
-AR at its fastest (engine/capture/captured_ar.py) emits the engine's AR, token for token; the cost table measured
+AR at its fastest (engine/bench/captured_ar.py) emits the engine's AR, token for token; the cost table measured
 through the static steps; a pair's steps kept and reused across runs; the real-shape timing stand-ins
 (engine/models/shapes.py) have their published sizes; every strategy on graphed steps emits what the dynamic path emits.
 """
@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
+from engine.bench.captured_ar import CapturedAR
 from engine.bench.tables import AR_CAPTURED, bench, run_method
-from engine.capture.captured_ar import CapturedAR
-from engine.capture.packages import measure_graphed
 from engine.core.sampling import Sampling
 from engine.core.steps import GRAPH_CAPACITY_STEP, StaticSteps, graph_capacity, reuse_static
 from engine.measure.costs import LADDER, model_costs
+from engine.measure.graphed import measure_graphed
 from engine.models import load_pair, tiny_random_pair
 from engine.models.shapes import SHAPES, shape_config
 from engine.recipe import RunSpec, generate

@@ -14,9 +14,9 @@ import torch
 
 from engine.core.trace import load_run
 from engine.measure import gpu_tables
-from engine.measure.costs import calibrate_pair
 from engine.measure.gpu_tables import GpuTable, GpuTableError, load, load_tables, parse, predict, save
 from engine.models import tiny_random_pair
+from engine.models.loading import calibrate_pair
 from engine.recipe import RunSpec, generate
 from treeviz.figures.charts import NO_GPU_TABLE, cost_figure, gpu_note
 from treeviz.page.views import baseline_views

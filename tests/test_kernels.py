@@ -11,11 +11,12 @@ from torch import nn
 
 from engine.cpu import kernels
 from engine.cpu.kernels import (PackingError, Router, RoutedLinear, add_format, drop_format, mkl_works,
-                                 onednn_bf16, pack_linears, quantize_linears, route_linears, router_of)
+                                onednn_bf16, pack_linears, quantize_linears, route_linears, router_of)
 from engine.decoder import Decoder
 from engine.measure.costs import ModelCosts
 from engine.models import ModelLoadError, load_pair, tiny_random_pair
 from engine.models.loading import candidate_formats
+from engine.runtime import forcing
 from engine.strategies import STRATEGIES, make_strategy
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -165,11 +166,11 @@ def test_forcing_restores_the_routing_even_after_an_error():
     router.paths = ["plain", "packed"]  # only path names are read here: no forward runs
     router.install(["packed"])
     with pytest.raises(RuntimeError, match="inside"):
-        with kernels.forcing(pair.target, "plain"):
+        with forcing(pair.target, "plain"):
             assert router.path(7) == "plain"
             raise RuntimeError("inside")
     assert router.forced is None and router.path(7) == router.by_rows[0]
-    with kernels.forcing(nn.Linear(2, 2), "plain"):  # a model without routed linears: nothing to force
+    with forcing(nn.Linear(2, 2), "plain"):  # a model without routed linears: nothing to force
         pass
 
 
@@ -441,8 +442,8 @@ def test_a_captured_dyn8_draft_computes_what_the_eager_one_does(tmp_path):
     at one row and at a dynamic row count -- after the draft was packed again under new handles, so a handle is the
     package's input, never its constant (a package built in one process runs in another). Compiles two tiny
     packages (about 20 s each)."""
-    from engine.capture import aoti
-    from engine.capture.packages import CapturedModel, Package
+    from engine.cpu import aoti
+    from engine.cpu.packages import CapturedModel, Package
     from engine.core.steps import DynamicSteps, StaticSteps, causal_visibility
     reason = aoti.compiler_missing()
     if reason:
@@ -515,11 +516,11 @@ def test_page_out_keeps_a_mapped_weight_readable_and_frees_its_pages(tmp_path):
     assert float(weight.sum()) == total
 
 
-# -- quantised formats kept on disk between starts (engine/measure/formats.py stored_file) ----------------------------
+# -- quantised formats kept on disk between starts (engine/cpu/formats.py stored_file) ----------------------------
 
 def keeping(model, path: str):
     """A FormatChoice that keeps `path` alone for every shape group of `model` (each group's table says it is best)."""
-    from engine.measure.formats import FormatChoice, GroupChoice
+    from engine.cpu.formats import FormatChoice, GroupChoice
     groups = {}
     for layer in kernels.routed_linears(model):
         groups.setdefault(layer.group, GroupChoice({path: {1: 1.0}}, [path], 0))
@@ -527,8 +528,8 @@ def keeping(model, path: str):
 
 
 def made_whole(path: str, seed: int = 0):
-    from engine.capture.packages import remember_fingerprint
-    from engine.measure.formats import make_whole
+    from engine.cpu.packages import remember_fingerprint
+    from engine.cpu.formats import make_whole
     model = tiny_random_pair("related", seed=seed, num_layers=2).draft
     route_linears(model)
     remember_fingerprint(model)
@@ -567,7 +568,7 @@ def test_a_quantised_format_read_back_from_disk_computes_exactly_what_was_made(p
     assert len(list((tmp_path / "formats").iterdir())) == 2
     def refused(*args):
         raise OSError("no space left on device")
-    monkeypatch.setattr("engine.measure.formats.save_file", refused)
+    monkeypatch.setattr("engine.cpu.formats.save_file", refused)
     made_whole(path, seed=2)  # a disk that refuses the write costs the next start a remake, never this one
     assert len(list((tmp_path / "formats").iterdir())) == 2
     monkeypatch.undo()

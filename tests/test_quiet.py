@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.cpu import formats as formats_mod
 from engine.measure import costs as costs_mod
-from engine.measure import formats as formats_mod
 from engine.measure import quiet
 from engine.measure.quiet import Sharing, watch_cpu
 from engine.models import tiny_random_pair

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine.core.prompts import encode_prompt
-from engine.core.runtime import synchronize
+from engine.runtime import synchronize
 from engine.models import ModelPair
 
 

@@ -6,11 +6,11 @@ peer of the `lookup` strategy. Both run greedily only. A method names a strategy
 and a preset: "dynatree+lookup@auto" is DynaTree with lookup grafted (engine/strategies/graft.py) on its auto preset,
 "dynatree-history" DynaTree with its history adaptation off, so variants of one strategy compare on the same prompts
 in one run, interleaved.
-Every method takes the pair's captured steps where it has them (engine/capture/packages.py); "dynatree/eager" runs a
+Every method takes the pair's captured steps where it has them (engine/cpu/packages.py); "dynatree/eager" runs a
 method with them off, so captured and eager compare on the same prompts. The ARs: `ar` (the engine's loop, on the pair's
 steps), `ar-eager` (the same loop, eager: beside it wherever the pair has captured steps), `ar-captured` (the
-target's one-row captured step in a bare loop, engine/capture/captured_ar.py: wherever it exists) and `ar-compiled` (AR
-through torch.compile, engine/capture/compiled.py: an independent build of the same one-row recipe, with `compiled_ar`
+target's one-row captured step in a bare loop, engine/bench/captured_ar.py: wherever it exists) and `ar-compiled` (AR
+through torch.compile, engine/bench/compiled.py: an independent build of the same one-row recipe, with `compiled_ar`
 "on", or "auto" where the pair has no captured one-row step). Throughput per method and prompt set = new tokens /
 wall time summed over prompts and repeats; speedup divides by the fastest AR's throughput on the same prompts (every
 AR is decoded on each prompt right before the other methods, so drift of the machine cancels). Quality metrics
@@ -26,10 +26,10 @@ from typing import Any, Callable
 
 import torch
 
+from engine.bench.captured_ar import CapturedAR, has_captured_step
+from engine.bench.compiled import CompiledAR, compile_available
 from engine.bench.configuration import configuration_text
 from engine.bench.peers import hf_assisted, hf_prompt_lookup
-from engine.capture.captured_ar import CapturedAR, has_captured_step
-from engine.capture.compiled import CompiledAR, compile_available
 from engine.core.prompts import encode_prompt, load_prompt_set
 from engine.core.sampling import Sampling
 from engine.core.trace import RunResult

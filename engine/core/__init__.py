@@ -8,7 +8,7 @@
   steps.py        each model's forwards and KV cache: dynamic (the eager reference), or static with row-count
                   buckets, running whatever forward the device installed (transformers' own, engine/cuda's fused
                   step) eagerly, replayed from a CUDA graph (engine/cuda/graphs.py) or as a CPU package
-                  (engine/capture/): the one seam between the algorithm and a device's speed machinery
+                  (engine/cpu/packages.py): the one seam between the algorithm and a device's speed machinery
   kv.py           additive tree masks and cache row copies
   attention.py    tree_sdpa: grouped-query attention folded into rows, registered with transformers
   lookup.py       context-lookup drafts (no draft model): n-gram matches in the prompt and output
@@ -17,9 +17,8 @@
                   StageTimes: the plain JSON-able records a run yields
   sampling.py     sampling settings and the processed distributions
   prompts.py      the shipped prompt sets and prompt encoding
-  runtime.py      device synchronisation and the cache folder
 
-May import: torch, transformers, numpy, and of the engine only the device rooms below it: steps.py runs
+May import: torch, transformers, numpy, and of the engine only the device rooms' bottom floor: steps.py runs
 engine/cuda's graphs and fused step (pyproject.toml, contracts `engine-rooms` and `core-layers`;
 `algorithm-not-devices` keeps tree.py and drafter.py from importing engine.cuda or engine.cpu themselves).
 """

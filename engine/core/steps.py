@@ -15,7 +15,7 @@ DynamicSteps is the eager path: a transformers DynamicCache that grows by concat
 exactly the cached columns, rollback by row copy then crop (engine/core/kv.py).
 
 StaticSteps preallocates the cache (`max_len` positions) and runs each forward on one of three routes:
-  captured  a CPU package compiled ahead of time (engine/capture/aoti.py, through `captured`, the model's
+  captured  a CPU package compiled ahead of time (engine/cpu/aoti.py, through `captured`, the model's
             CapturedModel): exactly n rows, or padded to its bucket;
   graphed   a CUDA graph of the bucket's forward (engine/cuda/graphs.py), replayed after the inputs are copied in;
   eager     the model called on the static cache (or the fused step installed for it, engine/cuda/fused.py),
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.core import kv
-from engine.cuda.graphs import CudaGraphs, clear_workspaces
 from engine.cuda.fused import installed as installed_step
+from engine.cuda.graphs import CudaGraphs, clear_workspaces
 
 LADDER = (1, 2, 4, 8, 16, 32, 64)  # the row counts forwards are measured and captured at (buckets come from it)
 
@@ -171,7 +171,7 @@ class Route:
 class StaticSteps:
     """A preallocated cache of `max_len` positions; forwards routed as the module docstring says.
 
-    `captured`: the model's CapturedModel (engine/capture/packages.py), whose packages take any cache; `graphs`: capture
+    `captured`: the model's CapturedModel (engine/cpu/packages.py), whose packages take any cache; `graphs`: capture
     a CUDA graph per bucket on this object's own tensors. A forward that would not fit grows the cache (double, or
     what it needs): a new allocation, the valid rows copied over, graphs captured again -- correct but slow, so size
     `max_len` for the run (`capacity`)."""

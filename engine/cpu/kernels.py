@@ -12,16 +12,17 @@ and can hold the same weight in the other formats torch's CPU kernels read:
   int8    weight-only int8, per-output-channel scales (`aten._weight_int8pack_mm`). Half the bytes of bf16.
   int4    weight-only int4, groupwise scales and zeros (`aten._weight_int4pack_mm_for_cpu`). A quarter of the bytes.
   dyn8    int8 weights (per-output-channel, symmetric) times int8 activations quantised on every call (7-bit
-          codes, one scale per row), summed in int32: fbgemm's dynamic-quantised linear
+          codes; each row first scaled to max |x| = 1, then one range per call, so a row's codes depend on the rows
+          beside it), summed in int32: fbgemm's dynamic-quantised linear
           (`quantized.linear_dynamic`, the kernel behind `torch.ao.quantization.quantize_dynamic`; x86 only). The weight-only formats dequantise to fp32, so on a
           CPU without native bf16 they lose to fp32 at every row count; this one multiplies in int8.
           Quantised formats are for the draft: they change its proposals, never the output (the target decides).
 
 Which format is fastest depends on the CPU, the model and the row count, so no constant can be right: the formats a
-model may use are measured (engine/measure/formats.py), only those its routing picks are kept (`drop_format`: memory
+model may use are measured (engine/cpu/formats.py), only those its routing picks are kept (`drop_format`: memory
 is a budget), and all linears of a model share one `Router` that sends each row count to the fastest kept format.
 
-Captured steps (engine/capture/aoti.py) call the same kernels through one opaque operator, `treeviz::linear`, with
+Captured steps (engine/cpu/aoti.py) call the same kernels through one opaque operator, `treeviz::linear`, with
 the weights as the package's inputs: a package holds no copy of them, so every package of a model shares the one
 resident copy, and any number of packages fits in memory.
 """
@@ -42,6 +43,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.runtime import onednn_bf16, router_of
 
 PATHS = ("plain", "mkl", "packed", "int8", "int4", "dyn8")
 PACKED = ("mkl", "packed")  # formats made by re-laying out the weight once
@@ -348,7 +351,7 @@ class RoutedLinear(nn.Module):
     def stored(self, path: str) -> dict[str, torch.Tensor]:
         """The plain tensors that remake quantised format `path` (QUANTISED) without the float weight: int8's and
         int4's own buffers, dyn8's int8 codes and per-channel scales (fbgemm's packing is an object, not a tensor).
-        Quantising reads every float weight; these are a quarter of its bytes (engine/measure/formats.py)."""
+        Quantising reads every float weight; these are a quarter of its bytes (engine/cpu/formats.py)."""
         if path == "dyn8":
             qweight, _ = torch.ops.quantized.linear_unpack(dyn8_params(self.dyn8_handle))
             return {"codes": qweight.int_repr(), "scales": qweight.q_per_channel_scales()}
@@ -480,25 +483,6 @@ def _file_mapped(start: int, end: int) -> bool:
             if low <= start < high:
                 return end <= high and len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/")
     return False
-
-
-@contextmanager
-def forcing(model: nn.Module, path: str | None):
-    """Every routed linear of `model` takes `path` inside the block (None: its routing); the previous setting comes
-    back afterwards. Calibration times one path at a time this way."""
-    router = router_of(model)
-    before = router.forced if router is not None else None
-    if router is not None:
-        router.forced = path
-    try:
-        yield
-    finally:
-        if router is not None:
-            router.forced = before
-
-
-def router_of(model: nn.Module) -> Router | None:
-    return getattr(model, "kernel_router", None)
 
 
 def named_routed_linears(model: nn.Module) -> list[tuple[str, RoutedLinear]]:
@@ -645,15 +629,6 @@ def bound_tensors(model: nn.Module, formats: dict[str, str], tensors: list[torch
 
 # ----------------------------------------------------------------------------------------------------------------------
 # which formats this CPU can make
-
-
-def onednn_bf16() -> bool:
-    """Whether oneDNN runs bf16 GEMMs here (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and honours a lowered
-    ONEDNN_MAX_CPU_ISA): without them `mkldnn._reorder_linear_weight` refuses bf16."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def mkl_works() -> str | None:

@@ -9,5 +9,10 @@
 
 The decoder and the drafter never import this room: engine/core/steps.py's StaticSteps runs whatever forward is
 installed on a model (`fused.installed`), replayed through a CUDA graph per bucket (engine/cuda/graphs.py). The
-eager transformers forward stays the reference it is tested against (tests/test_fused.py).
+eager transformers forward stays the reference it is tested against (tests/test_fused.py). The device-side draft
+phase (engine/core/device_draft.py) stays in the core: it is the algorithm's, runs on either device, and is tested on
+the CPU.
+
+May import (contract `engine-rooms`): fused.py and graphs.py nothing of the engine (they sit under the core); aot.py
+the core. Never the CPU room.
 """

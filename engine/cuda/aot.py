@@ -15,14 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
-from unittest.mock import patch
 
 import torch
 from torch import nn
 
+from engine.runtime import load_package
 from engine.cuda.fused import FusedStep, layer_forward
 
 FORMAT = 1  # bump when a package's inputs or outputs change meaning
@@ -126,13 +125,3 @@ def _load(file: Path):
     if not file.exists():
         raise FileNotFoundError(f"no compiled layer package {file.name}: build it first (engine/cuda/aot.py)")
     return load_package(file)
-
-
-def load_package(file: Path):
-    """AOTInductor's runner of the package `file`, unpacked into a folder of our own that is removed once it is
-    loaded: torch unpacks into a temporary folder it removes only when the runner is collected, which never happens
-    in a process that exits or is killed with the runner alive (every start would leave gigabytes behind). The
-    runner's library stays mapped; the space is returned when the process ends. (The CPU's packages load here too.)"""
-    tempfile.gettempdir()  # fix Python's own temporary folder before TMPDIR points elsewhere for a moment
-    with tempfile.TemporaryDirectory(prefix="treeviz-aot-") as folder, patch.dict(os.environ, {"TMPDIR": folder}):
-        return torch._inductor.aoti_load_package(str(file))  # the C++ loader unpacks under $TMPDIR

@@ -15,7 +15,7 @@ serves every layer of the model (identical shapes), so a model compiles once in 
 query heads into rows, q [kv_heads, groups * n, D] against each key/value head read once: for the few query rows of a
 decode or a tree this is two small batched GEMMs and one softmax, where a flash kernel pays a fixed cost per call.
 
-The contract is aoti.Step's (engine/capture/aoti.py): `embeds` [1, n, H], `positions` [1, n], additive `mask`
+The contract is aoti.Step's (engine/cpu/aoti.py): `embeds` [1, n, H], `positions` [1, n], additive `mask`
 [1, 1, n, L], `start` (0-d long tensor: where the n new rows are written), `keys` / `values` one [1, kv_heads, L, D]
 tensor per layer (transformers' StaticCache layout); returns logits [n, V] and the final norm's rows [n, H].
 Fusing makes each fused weight once and turns the module's own weights into views of it: no second copy.

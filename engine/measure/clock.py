@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from engine.core.runtime import synchronize
+from engine.runtime import synchronize
 from engine.core.trace import StageTimes
 
 

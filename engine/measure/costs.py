@@ -7,13 +7,13 @@ cache_dir()/costs; `recalibrate=True` measures again.
 
 A measurement: fill a KV cache with a realistic prefix (PREFIX tokens, then each of CONTEXTS), then time forwards of 1,
 2, 4, ... 64 rows over it with the verification's additive mask, each path forced in turn (engine/cpu/kernels.py:
-the formats engine/measure/formats.py kept), fastest of REPEATS (after one discarded warm-up call per path). A path
+the formats engine/cpu/formats.py kept), fastest of REPEATS (after one discarded warm-up call per path). A path
 ladder.CLIMB_LIMIT times the best at a rung is not measured further up (priced at infinity: not competitive, never
 guessed), and the other contexts are measured only for the paths that win somewhere at PREFIX. The cache is rolled
 back after each call, so every call sees the same prefix. On CUDA, timing synchronises the device and the only path
 is torch's own. Where runs replay CUDA
 graphs (engine/core/steps.py) the table is measured through those same steps, one graph per rung
-(engine/capture/packages.py `measure_graphed`): a GPU's eager forwards cost what the host takes to launch them, which
+(engine/measure/graphed.py `measure_graphed`): a GPU's eager forwards cost what the host takes to launch them, which
 says nothing about a replay.
 
 The table then decides three things: the routing (each row count to its fastest path), the predicted cost of an
@@ -32,11 +32,10 @@ from pathlib import Path
 import torch
 
 from engine.core import kv
-from engine.cpu.kernels import PATHS, drop_format, forcing, onednn_bf16, router_of, step_bytes
-from engine.core.runtime import cache_dir, synchronize
 from engine.core.steps import LADDER
 from engine.measure.ladder import climb, interpolate
 from engine.measure.quiet import watch_cpu
+from engine.runtime import cache_dir, forcing, onednn_bf16, router_of, synchronize
 
 PREFIX = 300
 # Further context lengths measured beside PREFIX (attention's share of a forward grows with the cache), stored in the
@@ -98,13 +97,15 @@ def machine(device: torch.device) -> dict:
 
 
 def model_identity(model, name: str) -> str:
-    """Name + architecture + size + head: a different checkpoint, shape or trimmed vocabulary is another model."""
+    """Name + architecture + size + head + fused projections: a different checkpoint, shape, trimmed vocabulary or
+    set of linears (engine/cpu/fusion.py stacks siblings into wider ones) is another model."""
     config = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else ""
     digest = hashlib.sha256(config.encode()).hexdigest()[:12]
     numel = sum(p.numel() for p in model.parameters())
     head = model.get_output_embeddings()
     vocab = getattr(head, "vocab_rows", None)
-    return f"{name}|{digest}|{numel}" + (f"|vocab {vocab}" if vocab else "")
+    fused = getattr(model, "fused_projections", 0)
+    return f"{name}|{digest}|{numel}" + (f"|vocab {vocab}" if vocab else "") + (f"|fused {fused}" if fused else "")
 
 
 def table_key(model, name: str, dtype: torch.dtype, device: torch.device, graphs: bool = False) -> dict:
@@ -135,7 +136,7 @@ def read_cached(key: dict) -> dict | None:
 @dataclass
 class ModelCosts:
     """Median forward seconds of one model: seconds[path][rows] for each eager kernel path; `captured[context][rows]`
-    through its captured steps (engine/capture/packages.py), and `serves`: the row counts those serve (only where
+    through its captured steps (engine/cpu/packages.py), and `serves`: the row counts those serve (only where
     faster) -> the rows each actually runs (a static package pads to its bucket)."""
     name: str
     seconds: dict[str, dict[int, float]]
@@ -249,7 +250,7 @@ def model_costs(model, name: str, dtype: torch.dtype, device: torch.device, reca
                 measure_fn=measure, graphs: bool = False) -> ModelCosts:
     """The model's table for the paths it has: from the disk cache where it holds them, else measured, and saved
     where the machine was quiet meanwhile (engine/measure/quiet.py; a disturbed table serves this run only).
-    `graphs`: the table of replayed CUDA graphs (`measure_fn` then times them: engine/capture/packages.py
+    `graphs`: the table of replayed CUDA graphs (`measure_fn` then times them: engine/measure/graphed.py
     `measure_graphed`), cached apart from the eager one."""
     router = router_of(model)
     paths = [ROUTED] if router is not None and router.by_group else list(router.paths) if router is not None else \
@@ -383,42 +384,6 @@ class PairCosts:
         return out
 
 
-def calibrate_pair(pair, recalibrate: bool = False, progress=None, measure_fn=measure) -> PairCosts:
-    """Measure (or read) both models' tables, install each model's routing from its table, and return the costs.
-    On replayed CUDA graphs where the pair runs them (`pair.graphs`)."""
-    say = progress or (lambda fraction, message: None)
-    tables = {}
-    for role, model, name in (("target", pair.target, pair.target_name), ("draft", pair.draft, pair.draft_name)):
-        if model is None:
-            tables[role] = None
-            continue
-        say(0.0 if role == "target" else 0.6, f"measuring {role} forward costs (cached after the first time)")
-        costs = model_costs(model, name, pair.dtype, pair.device, recalibrate, measure_fn, graphs=pair.graphs)
-        router = router_of(model)
-        if router is not None and not router.by_group:  # a probe's per-group routing is already installed
-            router.install(costs.routing())
-            drop_unrouted(model, costs)
-        costs.step_bytes = step_bytes(model)
-        tables[role] = costs
-        if costs.disturbed:
-            say(1.0, f"the {role}'s cost table was measured beside other work ({costs.disturbed}): used for this "
-                     "start, measured again at the next")
-    bandwidth = machine_bandwidth(pair.device, recalibrate)
-    return PairCosts(tables["target"], tables["draft"], bandwidth)
-
-
-def drop_unrouted(model, costs: ModelCosts) -> None:
-    """Free the formats the installed routing sends no row count to, and forget their columns of the table: one
-    resident copy of each format a route actually reads (memory is a budget)."""
-    used = set(costs.routing())
-    for path in [p for p in costs.seconds if p not in used]:
-        drop_format(model, path)
-        if path not in router_of(model).paths:  # a tied plain weight stays (the embedding reads it)
-            costs.seconds.pop(path)
-            for table in costs.contexts.values():
-                table.pop(path, None)
-
-
 def spans(rows) -> str:
     """[1, 2, 3, 5, 6] -> '1-3, 5-6' ('none' when empty)."""
     rows, out, start = sorted(rows), [], None
@@ -438,8 +403,8 @@ def format_costs(costs: PairCosts, routing: dict[str, str] | None = None, format
     for role, table in (("target", costs.target), ("draft", costs.draft)):
         if table is None:
             continue
-        for path in PATHS:  # a model routed per shape group has the one column ROUTED: the row below
-            if path in table.seconds:
+        for path in table.seconds:  # kernel paths in the router's order; a model routed per shape group has the
+            if path != ROUTED:       # one column ROUTED: the row below
                 cells = "".join(f"{table.seconds[path][r] * 1000:8.1f}" for r in LADDER)
                 lines.append(f"{role:7s} {path:7s} {cells}")
         routed = "".join(f"{table.eager_time(r) * 1000:8.1f}" for r in LADDER)
@@ -459,7 +424,7 @@ def format_costs(costs: PairCosts, routing: dict[str, str] | None = None, format
     for role, text in (routing or {}).items():
         lines.append(f"routing {role}: {text}")
     for role, text in (formats or {}).items():
-        lines.append(f"formats {role} (probe, engine/measure/formats.py): {text}")
+        lines.append(f"formats {role} (probe, engine/cpu/formats.py): {text}")
     ar = costs.ar_bandwidth()
     line = (f"AR: {costs.target.step_bytes / 1e9:.2f} GB of linear weights per step in {costs.step * 1000:.1f} ms "
             f"= {ar / 1e9:.1f} GB/s")

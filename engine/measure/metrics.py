@@ -18,7 +18,7 @@ and ARCHITECTURE.md link to this docstring; the app, the bench and the command l
   Time a consumer holds a `DecodeRun` between its steps (the app drawing figures) is left out (`DecodeRun.paused_s`).
 - **speedup**: tokens/s ÷ AR tokens/s measured in the same process, with the same dtype, attention and stopping rule
   (`compare_outputs`' `speedup_vs_ar`). `python -m engine bench` divides by the faster of its two ARs, the eager one
-  and `ar-compiled` (engine/capture/compiled.py); the app and `generate --compare-ar` use the eager AR.
+  and `ar-compiled` (engine/bench/compiled.py); the app and `generate --compare-ar` use the eager AR.
 - **exact match** (`compare_outputs`): the output equals AR's token for token; otherwise the first divergence and the
   target's top-2 logit margin there.
 - **stage times** (`stage_s`, a StageTimes): seconds per stage summed over iterations: draft, build, verify, commit,

@@ -1,15 +1,15 @@
 """Model loading for tree speculative decoding, by concern:
 
   pair.py      ModelPair, end-of-sequence ids, and the refusals (caches that cannot roll back, mismatched vocabularies)
-  devices.py   device and dtype resolution
+  devices.py   device and dtype resolution, and the pair's captured-steps switch (`capture_backend`)
   tiny.py      tiny random Qwen2 pairs with a byte-level tokenizer, built in memory (tests, demos)
   packaged.py  the offline default pair: GGUF chunks in pip packages -> verified .gguf -> cached safetensors
   loading.py   one model from a spec, and `load_pair`, which loads, checks, prepares kernels and measures costs
   progress.py  the progress callback that slow loads share
   vocab.py     the draft's trimmed vocabulary head (`--draft-vocab`)
-  builder.py   the process that compiles a pair's missing captured steps (`python -m engine.models.builder`)
 
-May import: training (adapters), capture, measure and the core (contract `engine-rooms`).
+May import: training (adapters), the CPU room (its formats and packages, prepared at load), measure and the core
+(contract `engine-rooms`).
 Import from here: `from engine.models import load_pair, ModelPair, tiny_random_pair`.
 """
 from engine.models.devices import resolve_device, resolve_dtype

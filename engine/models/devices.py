@@ -10,9 +10,10 @@ import os
 
 import torch
 
-from engine.cpu.kernels import onednn_bf16
+from engine.cpu.aoti import compiler_missing
 from engine.measure.costs import cpu_capability, cpu_info
 from engine.models.pair import ModelLoadError
+from engine.runtime import onednn_bf16
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
@@ -92,3 +93,29 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
         raise ModelLoadError(f"Unknown dtype {name!r}. Use 'auto', 'fp32'/'float32', 'bf16'/'bfloat16' or "
                              "'fp16'/'float16'.")
     return _DTYPES[key]
+
+
+CAPTURE_MODES = ("auto", "on", "off")
+
+
+class CaptureUnavailable(RuntimeError):
+    """Captured steps were asked for (`on`) where they cannot be built."""
+
+
+def capture_backend(mode: str, device: torch.device) -> str | None:
+    """"aoti" (CPU packages, engine/cpu/packages.py), "cuda-graphs" (engine/cuda/graphs.py), or None (eager) for
+    the pair's switch `mode` (auto | on | off) on `device`."""
+    if mode not in CAPTURE_MODES:
+        raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}, not {mode!r}")
+    if mode == "off":
+        return None
+    if device.type == "cuda":  # graphs = eager = AR token for token on an H100 (docs/gpu.md): on by default
+        return "cuda-graphs"
+    if device.type != "cpu":
+        if mode == "on":
+            raise CaptureUnavailable(f"captured steps run on CPU (AOTInductor) or CUDA (graphs), not {device.type}")
+        return None
+    reason = compiler_missing()
+    if reason and mode == "on":
+        raise CaptureUnavailable(f"captured CPU steps need inductor's C++ compiler: {reason}")
+    return None if reason else "aoti"

@@ -28,17 +28,19 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerBase
 
-from engine.capture.packages import capture_backend, measure_graphed, remember_fingerprint
 from engine.core.attention import use_tree_sdpa
+from engine.cpu.formats import choose_formats, drop_unrouted, make_whole, plan_memory, weights_budget
 from engine.cpu.kernels import (MODES, PACKED, QUANTISED, PackingError, check_quant_mode, format_unavailable,
-                                 linear_bytes, packed_dtype, return_freed_memory, route_linears, router_of)
-from engine.measure.costs import calibrate_pair, measure
-from engine.measure.formats import choose_formats, make_whole, plan_memory, weights_budget
-from engine.models.devices import cpu_has_fast_bf16, resolve_device, resolve_dtype
+                                linear_bytes, packed_dtype, return_freed_memory, route_linears, router_of,
+                                step_bytes)
+from engine.cpu.packages import remember_fingerprint
+from engine.measure.costs import PairCosts, machine_bandwidth, measure, model_costs
+from engine.measure.graphed import measure_graphed
+from engine.models.devices import capture_backend, cpu_has_fast_bf16, resolve_device, resolve_dtype
 from engine.models.packaged import (LOAD_WORK, PACKAGED, one_parse_per_gguf, prepare_ahead, preparation_work,
                                     prepared_model_dir, require_gguf_support)
 from engine.models.pair import (ModelLoadError, ModelPair, check_rollbackable, check_same_vocab, install_fused_steps,
-                               short_error)
+                                short_error)
 from engine.models.progress import Progress, say, span
 from engine.models.shapes import is_shape_spec, load_shape
 from engine.models.tiny import is_tiny_spec, load_tiny
@@ -224,7 +226,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
 
     packed: "auto" | "on" | "off" -- whether CPU linears may be re-laid out once for MKL's or oneDNN's packed GEMMs
-    (engine/cpu/kernels.py); "auto": where the format probe (engine/measure/formats.py) finds them faster, "on":
+    (engine/cpu/kernels.py); "auto": where the format probe (engine/cpu/formats.py) finds them faster, "on":
     always one of them, "off": never.
     draft_vocab: None / "full" or N -- the draft scores only the N most frequent tokens (engine/models/vocab.py).
     draft_quant: "none" | "int8" | "int4" | "auto" -- let the draft's linears take weight-only quantised formats (CPU;
@@ -232,7 +234,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     Only the formats the routing uses stay in memory.
     calibrate: measure (or read from the disk cache) each model's forward cost per row count and path, and route
     every call to its fastest path (engine/measure/costs.py); recalibrate measures again.
-    capture: "auto" | "on" | "off" -- whether runs on this pair take captured steps (engine/capture/packages.py): CPU
+    capture: "auto" | "on" | "off" -- whether runs on this pair take captured steps (engine/cpu/packages.py): CPU
     packages compiled ahead of time (built and measured by `prepare_capture`, which the caller runs when it suits it:
     the app in the background), or CUDA graphs (`auto` and `on`; validated on an H100, docs/gpu.md; the cost table is
     then measured on the graphed steps). Default "off".
@@ -281,7 +283,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
 def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | str | None = None,
                     draft_quant: str = "none", progress: Progress | None = None, recalibrate: bool = False) -> None:
     """Trim the draft's head, then give each model's linears the weight formats this CPU runs fastest, per shape
-    group, and only those that fit the memory plan (engine/measure/formats.py: a short probe, then `plan_memory`;
+    group, and only those that fit the memory plan (engine/cpu/formats.py: a short probe, then `plan_memory`;
     the others are never made whole). The trim comes first, so the trimmed head gets its formats like every other
     linear."""
     vocab, quant = parse_draft_vocab(draft_vocab), check_quant_mode(draft_quant)
@@ -338,3 +340,26 @@ def candidate_formats(packed: str, quant: str, device, dtype) -> list[str]:
     out = ([] if packed == "on" else ["plain"]) + ([] if packed == "off" else have)
     return out + ([] if quant == "none" else list(QUANTISED) if quant == "auto" else [quant])
 
+
+def calibrate_pair(pair, recalibrate: bool = False, progress=None, measure_fn=measure) -> PairCosts:
+    """Measure (or read) both models' tables, install each model's routing from its table, and return the costs.
+    On replayed CUDA graphs where the pair runs them (`pair.graphs`)."""
+    say = progress or (lambda fraction, message: None)
+    tables = {}
+    for role, model, name in (("target", pair.target, pair.target_name), ("draft", pair.draft, pair.draft_name)):
+        if model is None:
+            tables[role] = None
+            continue
+        say(0.0 if role == "target" else 0.6, f"measuring {role} forward costs (cached after the first time)")
+        costs = model_costs(model, name, pair.dtype, pair.device, recalibrate, measure_fn, graphs=pair.graphs)
+        router = router_of(model)
+        if router is not None and not router.by_group:  # a probe's per-group routing is already installed
+            router.install(costs.routing())
+            drop_unrouted(model, costs)
+        costs.step_bytes = step_bytes(model)
+        tables[role] = costs
+        if costs.disturbed:
+            say(1.0, f"the {role}'s cost table was measured beside other work ({costs.disturbed}): used for this "
+                     "start, measured again at the next")
+    bandwidth = machine_bandwidth(pair.device, recalibrate)
+    return PairCosts(tables["target"], tables["draft"], bandwidth)

@@ -32,7 +32,7 @@ from unittest.mock import patch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from engine.core.runtime import cache_dir
+from engine.runtime import cache_dir
 from engine.models.pair import ModelLoadError, eos_token_ids, short_error
 from engine.models.progress import Progress, forward_gguf_tqdm, say, span
 

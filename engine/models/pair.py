@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.cpu.kernels import router_of
 from engine.measure.costs import PairCosts
+from engine.runtime import router_of
 
 
 class ModelLoadError(ValueError):
@@ -40,10 +40,10 @@ class ModelPair:
     costs: PairCosts | None = None  # measured forward costs (engine/measure/costs.py); None: not calibrated
     draft_vocab: int | None = None  # the draft scores only this many frequent tokens (engine/models/vocab.py)
     draft_quant: str = "none"  # the draft's quantised formats asked for (kernels.QUANT_MODES); kept: `formats`
-    # role -> FormatChoice: the weight formats each model kept and the probe that chose them (engine/measure/formats.py)
+    # role -> FormatChoice: the weight formats each model kept and the probe that chose them (engine/cpu/formats.py)
     formats: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     memory_notes: list[str] = field(default_factory=list, repr=False, compare=False)  # formats the memory plan dropped
-    # How runs capture their forwards (engine/capture/packages.py): "aoti" (CPU packages), "cuda-graphs", or None
+    # How runs capture their forwards (engine/cpu/packages.py): "aoti" (CPU packages), "cuda-graphs", or None
     # (eager)
     capture: str | None = None
     # role -> CapturedModel: the CPU packages loaded and the row counts they serve (set by prepare_capture)

@@ -12,10 +12,9 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from engine.capture.packages import capture_backend
 from engine.core.attention import use_tree_sdpa
 from engine.cpu.kernels import pack_linears
-from engine.models.devices import resolve_device, resolve_dtype
+from engine.models.devices import capture_backend, resolve_device, resolve_dtype
 from engine.models.pair import ModelLoadError, ModelPair, install_fused_steps
 
 _TINY_SPECIALS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
@@ -127,7 +126,7 @@ def tiny_random_pair(draft_kind: str | None = "related", seed: int = 0, dtype: t
     """Tiny target + draft in memory (milliseconds). draft_kind: related, identical, unrelated, or None (AR only).
 
     packed=True gives both models pre-packed CPU weights (engine/cpu/kernels.py), to test that path cheaply. `capture`:
-    the pair's capture switch (engine/capture/packages.py); default: CUDA graphs on a CUDA device, eager elsewhere."""
+    the pair's capture switch (engine/cpu/packages.py); default: CUDA graphs on a CUDA device, eager elsewhere."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     tokenizer = tiny_tokenizer()

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.core.runtime import cache_dir
+from engine.runtime import cache_dir
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "vocab"
 MIN_VOCAB = 64  # the CLI's floor: with fewer, a wide top-k would propose tokens of draft probability zero

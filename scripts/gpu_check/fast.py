@@ -2,11 +2,11 @@
 
 Per shape pair (random models of published shapes, engine/models/shapes.py; most important first, a pair that no
 longer fits the section's time is skipped with the reason), loaded the production way (`load_pair`, capture on for
-CUDA, so the pair's cost table is measured through its graphed static steps: engine/capture/packages.py
+CUDA, so the pair's cost table is measured through its graphed static steps: engine/measure/graphed.py
 `measure_graphed`):
   tables      the graphed table (c, t(n) per rung of engine/core/steps.py LADDER, seconds per rung) and, on CUDA, the
               eager one (engine/measure/costs.py `measure`, a growing cache);
-  end_to_end  AR through the pair's one-row graph (engine/capture/captured_ar.py, the bench's `ar-captured`), DynaTree
+  end_to_end  AR through the pair's one-row graph (engine/bench/captured_ar.py, the bench's `ar-captured`), DynaTree
               at ~16 nodes and a graphed linear chain, each on the host draft phase and on the device one
               (engine/core/device_draft.py: one read per iteration, every planned level run); each iteration's measured seconds
               against its table price.
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine.capture.captured_ar import CapturedAR
-from engine.core.runtime import synchronize
+from engine.bench.captured_ar import CapturedAR
+from engine.runtime import synchronize
 from engine.core.steps import LADDER, StaticSteps
 from engine.measure import gpu_tables
 from engine.measure.costs import PREFIX, measure, probe_ids
@@ -287,7 +287,7 @@ def summarise(result: dict) -> list[str]:
             lines.append(line)
         if "end_to_end" in p:
             ar = p["end_to_end"]["ar"]
-            lines.append(f"- AR at its fastest (engine/capture/captured_ar.py: the one-row graph on CUDA): "
+            lines.append(f"- AR at its fastest (engine/bench/captured_ar.py: the one-row graph on CUDA): "
                          f"{ar['tpot_ms']:.2f} ms per token (the table's one-row step {ar['table_step_ms']:.2f} ms)")
         if "replay" in p:
             r = p["replay"]

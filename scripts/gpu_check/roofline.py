@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from engine.core.runtime import synchronize
+from engine.runtime import synchronize
 from engine.core.steps import StaticSteps, graph_capacity
 from engine.cuda import fused
 from engine.measure.costs import PREFIX, probe_ids

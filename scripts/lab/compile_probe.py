@@ -2,7 +2,7 @@
 
 Would compiling the tree's forwards pay? One target forward of B tree rows, eager against torch.compile.
 
-The bench's `ar-compiled` baseline compiles the single-row step (engine/capture/compiled.py). A speculative iteration
+The bench's `ar-compiled` baseline compiles the single-row step (engine/bench/compiled.py). A speculative iteration
 instead verifies B rows under a tree mask, and B changes every iteration. This probe times, for each B asked for, one
 forward of B rows after a `--prefix`-token cache, both ways (a compiled graph needs fixed shapes, so a static cache):
 
@@ -47,9 +47,9 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
 
     from engine.core import kv
     from engine.core.attention import compiled_attention
-    from engine.capture.compiled import round_to_step
+    from engine.bench.compiled import round_to_step
     from engine.measure.costs import probe_ids
-    from engine.cpu.kernels import forcing
+    from engine.runtime import forcing
     from engine.models import load_pair
 
     model = load_pair(pair_spec, None, dtype=dtype).target

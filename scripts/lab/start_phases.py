@@ -28,9 +28,9 @@ stamp("gradio imported")
 from treeviz.page.ui import build_demo  # noqa: E402,F401
 
 stamp("the page and the engine imported")
-import engine.models.loading as loading  # noqa: E402
-from engine.capture.packages import missing, prepare_capture  # noqa: E402
 from engine.core.prompts import load_prompt_set  # noqa: E402
+from engine.cpu.packages import missing, prepare_capture  # noqa: E402
+import engine.models.loading as loading  # noqa: E402
 from engine.recipe import RunSpec, start_run  # noqa: E402
 from treeviz.serving.pairs import split_pair, warm_up  # noqa: E402
 

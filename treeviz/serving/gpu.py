@@ -59,7 +59,7 @@ def gpu(duration: Callable[..., int]) -> Callable[[Callable], Callable]:
     if spaces is None:
         return lambda fn: fn
     if on_zero_gpu():  # its workers are forked from this multi-threaded process (imported here: spaces before torch)
-        from engine.core.runtime import one_thread_in_forked_children
+        from engine.runtime import one_thread_in_forked_children
         one_thread_in_forked_children()
     return spaces.GPU(duration=duration)
 

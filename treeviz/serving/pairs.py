@@ -15,11 +15,11 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from engine.capture.packages import missing, prepare_capture
-from engine.core.runtime import cache_dir
+from engine.runtime import cache_dir
+from engine.cpu.build_guard import process_rss
+from engine.cpu.builder import EXIT_DECLINED, build_request, start_builder
+from engine.cpu.packages import missing, prepare_capture
 from engine.models import PAIRS, load_pair
-from engine.models.build_guard import process_rss
-from engine.models.builder import EXIT_DECLINED, build_request, start_builder
 from engine.recipe import AR, RunSpec, split_pair, start_run
 from treeviz.serving.compute_thread import COMPUTE
 from treeviz.serving.errors import UserError, friendly_error
@@ -88,7 +88,7 @@ class PairManager:
     """Holds the pair serving (`held`); loads in a background thread; `run_lock` serialises decoding on it."""
 
     def __init__(self, capture: str | None = None):
-        # captured steps (engine/capture/packages.py): auto | on | off; TREEVIZ_CAPTURE or app.py --capture sets it
+        # captured steps (engine/cpu/packages.py): auto | on | off; TREEVIZ_CAPTURE or app.py --capture sets it
         self.capture_mode = capture or os.environ.get("TREEVIZ_CAPTURE", "auto")
         self.name: str | None = None       # the pair requested last
         self.serving: Serving | None = None
@@ -194,10 +194,10 @@ class PairManager:
         # are captured inside each worker at its run's first forwards (0.1-0.2 s per model on an H200, where a graphed
         # one-row step is 5-10x cheaper than an eager one: docs/experiments/gpu-2026-11-27/), so they pay every request.
         zero_gpu = on_zero_gpu()
-        # Every choice below is this machine's, measured (engine/measure/formats.py, costs.py): draft_quant="auto"
+        # Every choice below is this machine's, measured (engine/cpu/formats.py, costs.py): draft_quant="auto"
         # offers the draft's quantised formats, kept where the probe finds them faster; draft_vocab="auto" trims the
         # draft's head to its frequent tokens where a frequency table exists (engine/models/vocab.py).
-        # capture="auto": on a CPU, each model's forwards compiled ahead of time (engine/capture/packages.py), once per
+        # capture="auto": on a CPU, each model's forwards compiled ahead of time (engine/cpu/packages.py), once per
         # machine; until they exist, runs decode eagerly and the packages are built in another process.
         pair = load_pair(target, draft, device=device, progress=progress, calibrate=not zero_gpu,
                          draft_quant="auto", draft_vocab="auto", capture=zero_gpu_capture(device) if zero_gpu else self.capture_mode)
@@ -221,7 +221,7 @@ class PairManager:
 
     def build_captured(self, name: str, gen: int, pair, target: str, draft: str | None, todo: dict) -> None:
         """Compile the pair's missing captured steps in another process (so this one keeps serving eager runs on its
-        compute thread; engine/models/builder.py: one build at a time, within the memory left, ending with this
+        compute thread; engine/cpu/builder.py: one build at a time, within the memory left, ending with this
         process), paused while a run holds the run lock (on 2 cores it took ~6 s from a warm start's first tree, and
         it would skew what a run measures: docs/experiments/2026-11-28-first-start-float32.md), showing its state on
         the page; then load and measure them on the compute thread between runs (the

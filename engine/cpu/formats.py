@@ -12,7 +12,7 @@ weight shape), at each rung of the ladder:
   * a group keeps at most two formats: the one fastest over the tree rungs (2-16 rows, weighted by WEIGHT), and
     the one fastest at one row if it beats that by more than SHARE there (a wide matrix streams fastest unpacked at
     one row and packed above it). So a model's routing changes at one row count at most, and its captured steps are
-    two packages (engine/capture/packages.py `plan`);
+    two packages (engine/cpu/packages.py `plan`);
   * `plan_memory` then drops the second formats that buy the least time per byte until the pair's weights fit its
     budget (`weights_budget`): one resident copy of each format a route reads, and no more than the machine has.
 
@@ -34,13 +34,14 @@ import torch
 
 from safetensors.torch import load_file, save_file
 
-from engine.core.runtime import cache_dir
-from engine.cpu.kernels import (INT4_GROUP, PATHS, QUANTISED, RoutedLinear, available_memory, format_unavailable,
-                                 named_routed_linears, routed_linears, router_of, tensor_bytes, tied_weights)
 from engine.core.steps import LADDER
-from engine.measure.costs import machine, model_identity, read_cached, table_file, write_json
+from engine.cpu.kernels import (INT4_GROUP, PATHS, QUANTISED, RoutedLinear, available_memory, drop_format,
+                                format_unavailable, named_routed_linears, routed_linears, router_of, tensor_bytes,
+                                tied_weights)
+from engine.measure.costs import ModelCosts, machine, model_identity, read_cached, table_file, write_json
 from engine.measure.ladder import climb, interpolate
 from engine.measure.quiet import watch_cpu
+from engine.runtime import cache_dir
 
 SHARE = 1.05  # a second format is kept only where it beats the first by more than this
 REPEATS = 3
@@ -360,3 +361,15 @@ def write_stored(file: Path, tensors: dict[str, torch.Tensor]) -> None:
         os.replace(tmp, file)  # a crash never leaves half a file
     except OSError:
         tmp.unlink(missing_ok=True)
+
+
+def drop_unrouted(model, costs: ModelCosts) -> None:
+    """Free the formats the installed routing sends no row count to, and forget their columns of the table: one
+    resident copy of each format a route actually reads (memory is a budget)."""
+    used = set(costs.routing())
+    for path in [p for p in costs.seconds if p not in used]:
+        drop_format(model, path)
+        if path not in router_of(model).paths:  # a tied plain weight stays (the embedding reads it)
+            costs.seconds.pop(path)
+            for table in costs.contexts.values():
+                table.pop(path, None)

@@ -1,5 +1,5 @@
 """AR at its fastest: the target's one-row captured step (a CPU package compiled ahead of time, or a CUDA graph;
-engine/capture/packages.py), in a loop that does nothing else -- no tree, no records, one host read of the next token
+engine/cpu/packages.py), in a loop that does nothing else -- no tree, no records, one host read of the next token
 per step. The bench's `ar-captured` baseline.
 
 The engine's own AR (strategy "ar") takes the same captured step wherever the pair has one, but builds an
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from engine.core.runtime import synchronize
+from engine.runtime import synchronize
 from engine.core.sampling import Sampling
 from engine.core.steps import pair_static_steps
 

@@ -36,9 +36,8 @@ from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
 
 from engine.core.attention import compiled_attention
+from engine.runtime import cache_dir, load_package, model_device
 from engine.cpu.kernels import bound_tensors, opaque_linears, page_out, routed_linears
-from engine.core.runtime import cache_dir, model_device
-from engine.cuda.aot import load_package
 
 FORMAT = 5  # bump when a package's inputs or outputs change meaning (4: weights are inputs; 5: plain opaque too)
 MAX_ROWS = 64  # the largest dynamic row count a package is exported for
@@ -228,7 +227,7 @@ def build(model, recipe: Recipe, file: Path, weights: list[torch.Tensor]) -> flo
 
 def load(file: Path, weights: list[torch.Tensor]):
     """The package's runner, bound to the model's `weights` (kernels.format_tensors of its recipe's formats): call
-    it as Step.forward without them. Unpacked without leaving a folder behind (engine/cuda/aot.py `load_package`)."""
+    it as Step.forward without them. Unpacked without leaving a folder behind (engine/runtime.py `load_package`)."""
     runner = load_package(file)
     return lambda *args: runner(*args, weights)
 

@@ -1,17 +1,17 @@
 """The builder process: rebuilds a pair from its specs and compiles the captured steps it still lacks.
 
     builder = start_builder(build_request(pair, target, draft, missing(pair)), log_file)   # the app, on a fresh cache
-    builder.status()          # {"state": "compiling", "message": ...}: engine/models/build_guard.py BuildStatus
+    builder.status()          # {"state": "compiling", "message": ...}: engine/cpu/build_guard.py BuildStatus
     builder.wait()            # 0: every package built or on disk; 3: some declined (status says why); 1: failed
     builder.stop()            # the app ends it (atexit): the builder, its compilers and its half-written package
-    python -m engine.models.builder REQUEST.json                                         # what start_builder runs
+    python -m engine build REQUEST.json        # what start_builder runs: the command line loads the pair, `run` builds
 
 Compiling runs its own kernels and threads for minutes. It runs in its own process at the lowest CPU priority
 (`NICENESS`), so it takes only the CPU time the serving process leaves: on 2 cores a builder at normal priority took
 half the machine from the app's first tree (docs/experiments/2026-11-28-first-start-float32.md). The serving process
 decodes eagerly meanwhile and loads the packages when the builder exits.
 
-It lives within limits (engine/models/build_guard.py), per package: it takes the captured folder's build lock (one
+It lives within limits (engine/cpu/build_guard.py), per package: it takes the captured folder's build lock (one
 compile at a time across processes; a package another builder finished meanwhile is skipped), estimates what the
 compile will add to its memory (measured on earlier packages of the same model, else a default: build_guard.py)
 and waits until that fits in MemAvailable (less a headroom, and within the app's budget if it gave one), or declines
@@ -29,17 +29,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.capture.aoti import Recipe, build, package_file, read_meta, release_weights, write_meta
-from engine.capture.packages import recipe_key
+from engine.runtime import cache_dir
+from engine.cpu.aoti import Recipe, build, package_file, read_meta, write_meta
+from engine.cpu.build_guard import (GiB, BuildStatus, PeakMemory, build_lock, compile_peak_estimate, descendants,
+                                    earlier_peaks, end_with_parent, identities, kill_tree, package_weight_bytes,
+                                    read_build_status, span, wait_for_memory)
 from engine.cpu.kernels import standin_tensors
-from engine.core.runtime import cache_dir
-from engine.models.build_guard import (GiB, BuildStatus, PeakMemory, build_lock, compile_peak_estimate, descendants,
-                                       earlier_peaks, end_with_parent, identities, kill_tree, package_weight_bytes,
-                                       read_build_status, span, wait_for_memory)
-from engine.models.loading import load_pair
+from engine.cpu.packages import recipe_key
 
 REPOSITORY = Path(__file__).resolve().parents[2]  # the folder `python -m engine...` runs from
 LIMITS = {"lock_wait_s": 1800.0,     # another builder's compile (minutes for a 1.5B fp32 target on 2 cores)
@@ -116,7 +116,7 @@ class Builder:
 
 
 def start_builder(request: dict, log_file, status_file: str | Path | None = None) -> Builder:
-    """`python -m engine.models.builder REQUEST` in its own process and session (module docstring): its output goes
+    """`python -m engine build REQUEST` in its own process and session (module docstring): its output goes
     to `log_file`, its status to `status_file` (default: beside the log, NAME.status.json). The request gets this
     process's pid, so the builder ends with it."""
     folder = cache_dir() / "captured"
@@ -128,7 +128,7 @@ def start_builder(request: dict, log_file, status_file: str | Path | None = None
     status_file = Path(status_file)
     file = folder / f".request-{os.getpid()}-{time.time_ns()}.json"
     file.write_text(json.dumps({**request, "parent_pid": os.getpid(), "status_file": str(status_file)}))
-    process = subprocess.Popen([sys.executable, "-m", "engine.models.builder", str(file)], stdout=log_file,
+    process = subprocess.Popen([sys.executable, "-m", "engine", "build", str(file)], stdout=log_file,
                                stderr=subprocess.STDOUT, cwd=str(REPOSITORY), start_new_session=True)
     lowest_priority(process.pid)
     return Builder(process, status_file)
@@ -150,19 +150,10 @@ def lowest_priority(pid: int) -> None:
         pass
 
 
-def load_request_pair(request: dict):
-    """The pair a request names, loaded as the app loads it (so its package keys are the app's), then stripped of
-    the weights no package build reads (aoti.release_weights): the builder holds norms and biases, not gigabytes."""
-    pair = load_pair(request["target"], request["draft"], dtype=request["dtype"], device=request["device"],
-                     packed="off", calibrate=False, draft_vocab=request.get("draft_vocab"))
-    for _, model, _ in pair.models():  # a package's key does not depend on the formats the app's models keep
-        release_weights(model)
-    return pair
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Build the packages a request file names (see build_request); one status line per change in the log."""
-    request_file = Path((argv or sys.argv[1:])[0])
+def run(request_file: Path, load_request_pair: Callable[[dict], object]) -> int:
+    """Build the packages a request file names (see build_request) on the pair `load_request_pair` loads from it
+    (engine/cli.py: as the app loads it, then stripped of the weights no build reads: `aoti.release_weights`); one
+    status line per change in the log. The loading is the caller's, so this room never imports the models."""
     request = json.loads(request_file.read_text())
     if request_file.name.startswith(".request-"):
         request_file.unlink(missing_ok=True)  # start_builder's: one per start, read once
@@ -263,6 +254,3 @@ def stop_now(status: BuildStatus, folder: Path, reason: str) -> None:
     finally:
         os._exit(EXIT_STOPPED)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

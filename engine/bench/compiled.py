@@ -29,9 +29,9 @@ import time
 import torch
 
 from engine.core.attention import compiled_attention
-from engine.cpu.kernels import forcing, routed_linears
-from engine.core.runtime import synchronize
 from engine.core.sampling import Sampling
+from engine.cpu.kernels import routed_linears
+from engine.runtime import forcing, synchronize
 
 CACHE_STEP = 384  # positions; finer steps cost a compile and a weight copy per size, coarser ones slower steps
 
@@ -42,7 +42,7 @@ class CompileError(RuntimeError):
 
 def compile_available(device: torch.device, model=None) -> str | None:
     """None if a compiled CPU step of `model` can be built here, else why not. It traces the plain weights, so a
-    model whose plain weights a packed format replaced (engine/measure/formats.py) cannot take it."""
+    model whose plain weights a packed format replaced (engine/cpu/formats.py) cannot take it."""
     if device.type != "cpu":
         return f"the compiled AR baseline is CPU-only here (device {device.type}); CUDA graphs are a separate issue"
     if model is not None and any("plain" not in layer.paths for layer in routed_linears(model)):

@@ -1,4 +1,4 @@
-"""What keeps a builder process (engine/models/builder.py) safe to run beside the app: one compile at a time, a
+"""What keeps a builder process (engine/cpu/builder.py) safe to run beside the app: one compile at a time, a
 memory budget checked before each compile, an end with the app that started it, and a status file the app can show.
 
     end_with_parent(parent_pid, on_end)                              # PR_SET_PDEATHSIG and a watchdog thread
@@ -400,7 +400,7 @@ def write_build_status(path: Path, status: dict) -> None:
 
 
 def read_build_status(path: str | Path) -> dict:
-    """The builder's last status, as written by engine/models/builder.py (its docstring lists the fields); {} when
+    """The builder's last status, as written by engine/cpu/builder.py (its docstring lists the fields); {} when
     there is none yet or it cannot be read."""
     try:
         return json.loads(Path(path).read_text())

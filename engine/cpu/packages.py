@@ -4,14 +4,14 @@
     steps = pair.captured["draft"]       # a CapturedModel: route(n) -> (rows to run, runner) or (n, None)
 
 The switch (`capture`: auto | on | off) belongs to the pair:
-  CPU   packages compiled ahead of time by AOTInductor (engine/capture/aoti.py), where a C++ compiler exists;
+  CPU   packages compiled ahead of time by AOTInductor (engine/cpu/aoti.py), where a C++ compiler exists;
   CUDA  one CUDA graph per row-count bucket (engine/cuda/graphs.py), with `auto` too: on an H100 every strategy
         decoded the same tokens graphed and eager, and AR's (docs/experiments/gpu-2026-11-26/summary.md).
 
 What each CPU model gets (`plan`): per span of row counts its routing sends to one weight format, a package for that
 span -- static for one row (AR's step, and the draft's most frequent forward), the row count dynamic for the rest
 (a tree's size changes every iteration; the GEMMs are the formats' own kernels, which take any row count). A
-package holds no weights (engine/capture/aoti.py), so these cost disk and compile seconds, not memory. Rows no
+package holds no weights (engine/cpu/aoti.py), so these cost disk and compile seconds, not memory. Rows no
 package covers (a prefill, the draft's first forward over the prompt) run eagerly. Every package is then timed
 against the eager path at each rung of the cost ladder, and a row count is served by it only where it measured
 faster (`serves`, kept in the cost table, which thereby prices the path the run takes).
@@ -25,40 +25,17 @@ from pathlib import Path
 
 import torch
 
-from engine.capture.aoti import (MAX_ROWS, Recipe, build, compiler_missing, load, package_file,
-                                 package_key, read_meta, write_meta)
+from engine.runtime import model_device
+from engine.core.steps import LADDER, StaticSteps
+from engine.cpu.aoti import MAX_ROWS, Recipe, build, load, package_file, package_key, read_meta, write_meta
 from engine.cpu.kernels import (INT4_GROUP, assigned, format_tensors, route_linears, routed_linears, router_of,
-                                 standin_tensors)
-from engine.core.runtime import model_device, synchronize
-from engine.core.steps import LADDER, StaticSteps, graph_capacity
+                                standin_tensors)
 from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, model_identity, probe_ids,
                                   read_cached, spans, table_file, table_key, write_json)
+from engine.measure.graphed import time_rungs
 from engine.measure.quiet import watch_cpu
 
-MODES = ("auto", "on", "off")
 DRAFT_TOP = 32  # the draft's largest captured forward (a batched level of a wide tree); the target's is MAX_ROWS
-
-
-class CaptureUnavailable(RuntimeError):
-    """Captured steps were asked for (`on`) where they cannot be built."""
-
-
-def capture_backend(mode: str, device: torch.device) -> str | None:
-    """"aoti" (CPU packages), "cuda-graphs", or None (eager) for the switch `mode` on `device`."""
-    if mode not in MODES:
-        raise ValueError(f"capture must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "off":
-        return None
-    if device.type == "cuda":  # graphs = eager = AR token for token on an H100 (docs/gpu.md): on by default
-        return "cuda-graphs"
-    if device.type != "cpu":
-        if mode == "on":
-            raise CaptureUnavailable(f"captured steps run on CPU (AOTInductor) or CUDA (graphs), not {device.type}")
-        return None
-    reason = compiler_missing()
-    if reason and mode == "on":
-        raise CaptureUnavailable(f"captured CPU steps need inductor's C++ compiler: {reason}")
-    return None if reason else "aoti"
 
 
 def plan(model, role: str, top: int | None = None) -> list[Recipe]:
@@ -178,7 +155,7 @@ def remember_fingerprint(model) -> None:
 def prepare_model(model, name: str, role: str, progress=None, build_missing: bool = True) -> CapturedModel:
     """Build (where missing, if `build_missing`) and load every package of `plan(model, role)`, each bound to the
     model's own tensors of its format; a package that inductor cannot build, or that is missing where building is
-    not this process's business (the app's: its builder declined it, engine/models/builder.py), is left out with a
+    not this process's business (the app's: its builder declined it, engine/cpu/builder.py), is left out with a
     note (those rows stay eager)."""
     say = progress or (lambda fraction, message: None)
     route_linears(model)  # every linear opaque to the compiler: a plain nn.Linear's weight would be frozen in
@@ -221,43 +198,6 @@ def measure_captured(model, captured: CapturedModel, ladder, prefix: int, repeat
         return time_rungs(steps, ids, prefix, rungs, repeats)
     finally:
         captured.serves = saved
-
-
-def time_rungs(steps, ids: list[int], prefix: int, rungs, repeats: int) -> dict[int, float]:
-    """Seconds of a forward of each rung's row count through `steps` after a `prefix`-token prefill, synchronised,
-    the cache rolled back after each; fastest of `repeats` whole sweeps after one warm-up sweep."""
-    samples: dict[int, list[float]] = {r: [] for r in rungs}
-    with torch.inference_mode():
-        steps.prefill(ids[:prefix])
-        for sweep in range(repeats + 1):
-            for rows in rungs:
-                synchronize(steps.device)
-                start = time.perf_counter()
-                steps.forward(ids[prefix:prefix + rows], list(range(prefix, prefix + rows)))
-                synchronize(steps.device)
-                if sweep:
-                    samples[rows].append(time.perf_counter() - start)
-                steps.keep(prefix, [])
-    return {r: min(v) for r, v in samples.items()}
-
-
-def measure_graphed(model, paths: list[str], ladder=None, prefix: int | None = None, repeats: int | None = None
-                    ) -> dict[str, dict[int, float]]:
-    """costs.measure's table through the engine's static steps with one CUDA graph per rung, on a cache as long as a
-    run at `prefix` tokens would get (steps.graph_capacity), its own graph pool (a throwaway capture must not pin the
-    shared one); each rung's forward timed from its inputs' copy to its logits, synchronised; fastest of `repeats`
-    whole sweeps after one warm-up sweep. One path ("plain": a GPU has no kernel routing); `paths` is accepted for
-    measure's signature. (On a CPU the same static steps run eagerly: what the tests check.)"""
-    ladder, prefix, repeats = ladder or LADDER, prefix or PREFIX, repeats or REPEATS
-    ids = probe_ids(model, prefix + max(ladder)).tolist()
-    graphs = next(model.parameters()).device.type == "cuda"
-    pool = torch.cuda.graph_pool_handle() if graphs else None
-    steps = StaticSteps(model, graph_capacity(prefix + max(ladder)), tuple(ladder), graphs=graphs, pool=pool)
-    try:
-        return {"plain": time_rungs(steps, ids, prefix, ladder, repeats)}
-    finally:
-        if steps.graphs is not None:
-            steps.graphs.release()
 
 
 def captured_table(model, name: str, captured: CapturedModel, recalibrate: bool = False) -> dict[int, dict[int, float]]:
@@ -348,7 +288,7 @@ def format_capture(pair) -> str:
     return "\n".join(lines)
 
 
-# -- what a builder process (engine/models/builder.py) still has to compile ---------------------------------------
+# -- what a builder process (engine/cpu/builder.py) still has to compile ---------------------------------------
 
 def missing(pair) -> dict[str, list[Recipe]]:
     """Per model, the packages `plan` wants that are not on disk yet (an empty dict: all built, loading is quick)."""
