@@ -45,6 +45,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "weight-only, dyn8 int8 weights times int8 activations (fbgemm, x86); auto = all of them "
                         "this CPU has, the router picks per row count; none = the draft's plain and packed formats "
                         "only (default auto, the app's)")
+    p.add_argument("--fuse-draft", default=APP_CONFIGURATION["fuse_draft"], choices=("on", "off"),
+                   help="CPU: stack the draft's q|k|v and gate|up projections into one linear each before its "
+                        "formats are chosen (fewer, wider GEMMs; the target is never fused) (default on, the app's)")
     p.add_argument("--steps", default="auto", choices=("auto", "static", "dynamic"),
                    help="model forwards on a growing cache (dynamic) or a preallocated one with row-count buckets "
                         "(static); auto: static exactly when the run takes captured steps (default auto)")
@@ -182,7 +185,7 @@ def _load(args):
     pair = load_pair(target, draft, dtype=args.dtype, device=args.device,
                      trust_remote_code=args.trust_remote_code, packed=args.packed_weights, progress=progress,
                      draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, recalibrate=args.recalibrate,
-                     capture=args.capture)
+                     capture=args.capture, fuse_draft=args.fuse_draft == "on")
     prepare_capture(pair, progress, args.recalibrate)
     print(pair.describe(), file=sys.stderr)
     return pair

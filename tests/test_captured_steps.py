@@ -42,9 +42,9 @@ def int4_draft(pair) -> None:
 
 @pytest.fixture(scope="module")
 def pair():
-    """A captured tiny pair, every package serving every row count it can (whether it measured faster is the
-    machine's business; these tests are about what it computes)."""
-    pair = tiny_random_pair("related", dtype=torch.float32, capture="on")
+    """A captured tiny pair, its draft's projections fused as a CPU load fuses them, every package serving every row
+    count it can (whether it measured faster is the machine's business; these tests are about what it computes)."""
+    pair = tiny_random_pair("related", dtype=torch.float32, capture="on", fused=True)
     pair.costs = calibrate_pair(pair)
     int4_draft(pair)  # after calibration, which installs its table's routing and frees the formats it never uses
     prepare_capture(pair, measure=False)

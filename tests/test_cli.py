@@ -354,7 +354,8 @@ def test_every_command_loads_the_pair_as_the_app_does(monkeypatch):
         assert cli == app, command
         args = build_parser().parse_args([command, "--pair", "tiny-random", *extra])
         assert {k: getattr(args, k) for k in APP_CONFIGURATION if k != "preset"} == {
-            "dtype": "auto", "packed_weights": "auto", "draft_vocab": "auto", "draft_quant": "auto", "capture": "auto"}
+            "dtype": "auto", "packed_weights": "auto", "draft_vocab": "auto", "draft_quant": "auto", "fuse_draft": "on",
+            "capture": "auto"}
         assert _preset(args, ["dynatree"]) == APP_CONFIGURATION["preset"] == "auto"
 
 
@@ -370,7 +371,8 @@ def test_generate_names_the_configuration_it_ran(tmp_path, capsys):
     data = json.loads(out.read_text())
     named = data["config"]["configuration"]
     assert named["flags"] == {"dtype": "auto", "packed_weights": "auto", "draft_vocab": "auto", "draft_quant": "auto",
-                              "capture": "off", "preset": "auto"}
+                              "fuse_draft": "on", "capture": "off", "preset": "auto"}
+    assert named["ran"]["fuse_draft"] == "q|k|v, gate|up"  # a CPU load stacks the draft's projections
     assert named["differs_from_app"] == ["capture"] and named["app"] is False
     assert named["ran"]["dtype"] == data["config"]["dtype"] and named["ran"]["capture"] == "eager"
     assert named["ran"]["draft_vocab"] == "full"  # tiny-random's tokenizer has no committed frequency table

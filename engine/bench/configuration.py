@@ -17,12 +17,14 @@ APP_CONFIGURATION: dict[str, str] = {
     "packed_weights": "auto",   # packed formats offered to the per-shape probe
     "draft_vocab": "auto",      # the committed frequency table's 32,768 tokens where one fits the tokenizer
     "draft_quant": "auto",      # int8 / int4 / dyn8 offered to the draft's probe, routed per row count
+    "fuse_draft": "on",         # the draft's q|k|v and gate|up stacked into one linear each (CPU: engine/cpu/fusion.py)
     "capture": "auto",          # captured steps where they build and measure faster
     "preset": "auto",           # tree sizes from this machine's measured costs
 }
 LABELS = {"dtype": "dtype", "packed_weights": "packed weights", "draft_vocab": "draft vocabulary",
-          "draft_quant": "draft formats", "capture": "captured steps", "preset": "preset"}
-DRAFT_KNOBS = ("draft_vocab", "draft_quant")
+          "draft_quant": "draft formats", "fuse_draft": "draft projections fused", "capture": "captured steps",
+          "preset": "preset"}
+DRAFT_KNOBS = ("draft_vocab", "draft_quant", "fuse_draft")
 
 
 def flag(key: str) -> str:
@@ -47,6 +49,8 @@ def run_configuration(pair, asked: dict[str, Any]) -> dict[str, Any]:
            "packed_weights": "packed formats kept" if pair.packed else "none kept",
            "draft_vocab": (pair.draft_vocab or "full") if has_draft else None,
            "draft_quant": kept_formats(pair, "draft") if has_draft else None,
+           "fuse_draft": ("q|k|v, gate|up" if getattr(pair.draft, "fused_projections", 0) else "off")
+           if has_draft else None,
            "capture": pair.describe_capture(),
            "preset": asked.get("preset")}
     flags = {k: (None if asked.get(k) is None else str(asked[k])) for k in APP_CONFIGURATION}

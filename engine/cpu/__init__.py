@@ -3,6 +3,7 @@
     kernels.py      each linear layer's weight formats (plain, mkl, packed, int8, int4, dyn8), one kernel per format,
                     routed per call by row count; torch's custom op that hides them from a compiler; handing freed
                     memory back to the system (malloc_trim, madvise)
+    fusion.py       the draft's q|k|v and gate|up stacked into one linear each at load: fewer, wider GEMMs
     formats.py      which formats each weight shape keeps (a short probe on the model's own layers), the memory plan
                     that fits them in the budget, and the quantised formats kept on disk between starts
     aoti.py         one AOTInductor package: torch.export of one forward over a cache given as tensors, compiled

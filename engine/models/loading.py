@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufCo
 
 from engine.core.attention import use_tree_sdpa
 from engine.cpu.formats import choose_formats, drop_unrouted, make_whole, plan_memory, weights_budget
+from engine.cpu.fusion import fuse_projections
 from engine.cpu.kernels import (MODES, PACKED, QUANTISED, PackingError, check_quant_mode, format_unavailable,
                                 linear_bytes, packed_dtype, return_freed_memory, route_linears, router_of,
                                 step_bytes)
@@ -222,7 +223,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
               device: torch.device | str = "auto", trust_remote_code: bool = False,
               packed: str = "auto", progress: Progress | None = None, draft_vocab: int | str | None = None,
               draft_quant: str = "none", calibrate: bool = True, recalibrate: bool = False,
-              capture: str = "off") -> ModelPair:
+              capture: str = "off", fuse_draft: bool = True) -> ModelPair:
     """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
 
     packed: "auto" | "on" | "off" -- whether CPU linears may be re-laid out once for MKL's or oneDNN's packed GEMMs
@@ -238,6 +239,8 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     packages compiled ahead of time (built and measured by `prepare_capture`, which the caller runs when it suits it:
     the app in the background), or CUDA graphs (`auto` and `on`; validated on an H100, docs/gpu.md; the cost table is
     then measured on the graphed steps). Default "off".
+    fuse_draft: on a CPU, stack the draft's q|k|v and gate|up projections into one linear each before its formats
+    are chosen (engine/cpu/fusion.py); the target's are never touched, so its output stays bit for bit its own.
     """
     t0 = time.perf_counter()
     device = resolve_device(device)
@@ -264,7 +267,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
             use_tree_sdpa(model)  # tree masks without repeating grouped key/value heads (engine/core/attention.py)
     pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, capture=capture_backend(capture, device))
     try:
-        prepare_kernels(pair, packed, draft_vocab, draft_quant, progress, recalibrate)
+        prepare_kernels(pair, packed, draft_vocab, draft_quant, progress, recalibrate, fuse_draft)
         if d_model is not None:  # a draft whose table differs by padding rows: the target's width (after trimming)
             fallback = next((i for i in (t_tok.pad_token_id, t_tok.eos_token_id) if i is not None), 0)
             match_draft_width(d_model, t_model.config.get_text_config().vocab_size, fallback)
@@ -281,11 +284,12 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
 
 
 def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | str | None = None,
-                    draft_quant: str = "none", progress: Progress | None = None, recalibrate: bool = False) -> None:
-    """Trim the draft's head, then give each model's linears the weight formats this CPU runs fastest, per shape
-    group, and only those that fit the memory plan (engine/cpu/formats.py: a short probe, then `plan_memory`;
-    the others are never made whole). The trim comes first, so the trimmed head gets its formats like every other
-    linear."""
+                    draft_quant: str = "none", progress: Progress | None = None, recalibrate: bool = False,
+                    fuse_draft: bool = True) -> None:
+    """Trim the draft's head and (on a CPU, `fuse_draft`) stack its sibling projections, then give each model's
+    linears the weight formats this CPU runs fastest, per shape group, and only those that fit the memory plan
+    (engine/cpu/formats.py: a short probe, then `plan_memory`; the others are never made whole). Trim and fusion
+    come first, so the trimmed head and the stacked projections get their formats like every other linear."""
     vocab, quant = parse_draft_vocab(draft_vocab), check_quant_mode(draft_quant)
     if pair.draft is None and vocab not in (None, "auto") or pair.draft is None and quant not in ("none", "auto"):
         raise VocabError("--draft-vocab and --draft-quant need a draft model")
@@ -296,6 +300,8 @@ def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | st
         always = [*pair.eos_token_ids, *pair.tokenizer.get_added_vocab().values()]
         trim_head(pair.draft, draft_vocab_ids(pair.tokenizer, vocab, always))
         pair.draft_vocab = pair.draft.get_output_embeddings().vocab_rows
+    if fuse_draft and pair.draft is not None and pair.device.type == "cpu":
+        fuse_projections(pair.draft)  # fewer, wider GEMMs (docs/experiments/2026-11-28-fused-projections-cpu.md)
     for _, model, _ in pair.models():
         remember_fingerprint(model)  # a package's key, taken before a format replaces a plain weight
     if pair.device.type != "cpu":

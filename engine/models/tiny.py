@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from engine.core.attention import use_tree_sdpa
+from engine.cpu.fusion import fuse_projections
 from engine.cpu.kernels import pack_linears
 from engine.models.devices import capture_backend, resolve_device, resolve_dtype
 from engine.models.pair import ModelLoadError, ModelPair, install_fused_steps
@@ -122,11 +123,13 @@ def _tiny_name(kind: str | None, seed: int, num_layers: int) -> str:
 
 def tiny_random_pair(draft_kind: str | None = "related", seed: int = 0, dtype: torch.dtype | str = torch.float32,
                      device: torch.device | str = "cpu", num_layers: int = 2, packed: bool = False,
-                     capture: str | None = None) -> ModelPair:
+                     capture: str | None = None, fused: bool = False) -> ModelPair:
     """Tiny target + draft in memory (milliseconds). draft_kind: related, identical, unrelated, or None (AR only).
 
     packed=True gives both models pre-packed CPU weights (engine/cpu/kernels.py), to test that path cheaply. `capture`:
-    the pair's capture switch (engine/cpu/packages.py); default: CUDA graphs on a CUDA device, eager elsewhere."""
+    the pair's capture switch (engine/cpu/packages.py); default: CUDA graphs on a CUDA device, eager elsewhere.
+    fused=True stacks the draft's sibling projections as a CPU load does (engine/cpu/fusion.py); off by default, so
+    an `identical` draft computes its target's numbers bit for bit."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     tokenizer = tiny_tokenizer()
@@ -135,6 +138,8 @@ def tiny_random_pair(draft_kind: str | None = "related", seed: int = 0, dtype: t
     target = target.to(device=device, dtype=dtype)
     if draft is not None:
         draft = draft.to(device=device, dtype=dtype)
+        if fused:
+            fuse_projections(draft)
     for model in (target, draft):
         if model is not None:
             use_tree_sdpa(model)
