@@ -28,7 +28,6 @@ import torch
 from engine.core import device_draft, kv
 from engine.core.drafter import Drafter, softmax_processor
 from engine.core.prompts import Prompt, PromptError, encode_prompt, prompt_text
-from engine.runtime import synchronize
 from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, pair_static_steps
 from engine.core.tensor_tree import TensorTree
@@ -38,6 +37,7 @@ from engine.measure.clock import StageClock
 from engine.measure.metrics import run_metrics
 from engine.models.devices import machine_label
 from engine.records import complete_record, iteration_cost, iteration_record, margins
+from engine.runtime import synchronize
 from engine.strategies.base import RunHooks, RunInfo, Strategy
 from engine.verify import Verdict, VerificationError, Verifier, default_verifier
 

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from engine.runtime import synchronize
 from engine.core.steps import StaticSteps
 from engine.measure.costs import LADDER, PREFIX, measure, probe_ids
 from engine.measure.graphed import measure_graphed
 from engine.models.shapes import shape_model
+from engine.runtime import synchronize
 
 DEFAULT_PAIRS = ("qwen2.5-1.5b/qwen2.5-0.5b,qwen2.5-7b/qwen2.5-0.5b,qwen3-8b/qwen3-0.6b,"
                  "smollm2-1.7b/smollm2-135m,pythia-2.8b/pythia-70m")

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from procs import process_state, stat_fields, wait_until
 
+from engine.cli import load_request_pair
 from engine.cpu.aoti import Recipe, write_meta
 from engine.cpu.build_guard import (DEFAULT_PEAK_FIXED, WaitClock, build_lock, compile_peak_estimate,
                                     descendants, earlier_peaks, identities, package_weight_bytes, proc_stat,
                                     watch_parent)
-from engine.cli import load_request_pair
 from engine.cpu.builder import EXIT_DECLINED, EXIT_STOPPED, NICENESS, REPOSITORY, build_request, start_builder
 
 ONE_ROW = Recipe(1, "plain")

@@ -14,24 +14,24 @@ import torch
 from safetensors import safe_open
 
 from engine import models
-from engine.runtime import cache_dir
 from engine.models import devices, packaged
 from engine.models import (
-                           PAIRS,
-                           ModelLoadError,
-                           PackagedModel,
-                           assemble_chunks,
-                           check_rollbackable,
-                           find_chunks,
-                           load_model,
-                           load_pair,
-                           resolve_device,
-                           resolve_dtype,
-                           tiny_config,
-                           tiny_random_model,
-                           tiny_random_pair,
-                           tiny_tokenizer,
-                           )
+    PAIRS,
+    ModelLoadError,
+    PackagedModel,
+    assemble_chunks,
+    check_rollbackable,
+    find_chunks,
+    load_model,
+    load_pair,
+    resolve_device,
+    resolve_dtype,
+    tiny_config,
+    tiny_random_model,
+    tiny_random_pair,
+    tiny_tokenizer,
+)
+from engine.runtime import cache_dir
 
 PROMPTS = ["def fibonacci(n):", "Hello, my name is", "The quick brown fox", "12345", "ü"]
 

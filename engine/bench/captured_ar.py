@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from engine.runtime import synchronize
 from engine.core.sampling import Sampling
 from engine.core.steps import pair_static_steps
+from engine.runtime import synchronize
 
 
 class CapturedAR:

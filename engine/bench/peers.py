@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from engine.core.prompts import encode_prompt
-from engine.runtime import synchronize
 from engine.models import ModelPair
+from engine.runtime import synchronize
 
 
 def hf_assisted(pair: ModelPair, prompt, max_new_tokens: int, stop_on_eos: bool = True) -> dict[str, Any]:

@@ -36,8 +36,8 @@ from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
 
 from engine.core.attention import compiled_attention
-from engine.runtime import cache_dir, load_package, model_device
 from engine.cpu.kernels import bound_tensors, opaque_linears, page_out, routed_linears
+from engine.runtime import cache_dir, load_package, model_device
 
 FORMAT = 5  # bump when a package's inputs or outputs change meaning (4: weights are inputs; 5: plain opaque too)
 MAX_ROWS = 64  # the largest dynamic row count a package is exported for

@@ -33,13 +33,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.runtime import cache_dir
 from engine.cpu.aoti import Recipe, build, package_file, read_meta, write_meta
 from engine.cpu.build_guard import (GiB, BuildStatus, PeakMemory, build_lock, compile_peak_estimate, descendants,
                                     earlier_peaks, end_with_parent, identities, kill_tree, package_weight_bytes,
                                     read_build_status, span, wait_for_memory)
 from engine.cpu.kernels import standin_tensors
 from engine.cpu.packages import recipe_key
+from engine.runtime import cache_dir
 
 REPOSITORY = Path(__file__).resolve().parents[2]  # the folder `python -m engine...` runs from
 LIMITS = {"lock_wait_s": 1800.0,     # another builder's compile (minutes for a 1.5B fp32 target on 2 cores)
@@ -54,10 +54,13 @@ EXIT_STOPPED = 143
 
 def build_request(pair, target: str, draft: str | None, recipes: dict[str, list[Recipe]], **load) -> dict:
     """What a builder process needs to rebuild the same models (specs and the load options that change their
-    weights or names) and the recipes to compile. Extra keywords land in the request as they are (the load options
-    draft_vocab / draft_quant, and any of LIMITS)."""
+    weights or names: whether the draft's projections are fused is read off the pair) and the recipes to compile.
+    Extra keywords land in the request as they are (the load options draft_vocab / draft_quant, and any of
+    LIMITS)."""
+    fused = bool(getattr(pair.draft, "fused_projections", 0))
     return {"target": target, "draft": draft, "dtype": str(pair.dtype).removeprefix("torch."),
-            "device": str(pair.device), **load, "recipes": {role: [asdict(r) for r in rs] for role, rs in recipes.items()}}
+            "device": str(pair.device), "fuse_draft": fused, **load,
+            "recipes": {role: [asdict(r) for r in rs] for role, rs in recipes.items()}}
 
 
 @dataclass

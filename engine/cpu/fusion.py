@@ -10,10 +10,10 @@ call, and each sibling becomes a `Slice` that hands back its columns of that out
 transformers' own, so every family whose modules call their siblings on the input they were given takes it; a
 sibling called on another input raises FusionError rather than answer wrongly.
 
-The stacked weight replaces the siblings' (no second copy). Each output column is the same dot product as before; a
+The stacked weight replaces the siblings' (no second copy). Each output column is the same dot product as before: a
 GEMM of another width may sum it in another order, so fp32 results agree to rounding (tests/test_fusion.py bounds
-it), and the row-wise formats (int8, int4, dyn8: one scale per output channel, dyn8's activations one per row) give
-each column what the separate projection gave. Lab note: docs/experiments/2026-11-28-fused-projections-cpu.md.
+it); the quantised formats scale each output channel on its own, and dyn8 quantises the one input once where the
+siblings each quantised it to the same codes. Lab note: docs/experiments/2026-11-28-fused-projections-cpu.md.
 """
 from __future__ import annotations
 

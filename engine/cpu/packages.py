@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from engine.runtime import model_device
 from engine.core.steps import LADDER, StaticSteps
 from engine.cpu.aoti import MAX_ROWS, Recipe, build, load, package_file, package_key, read_meta, write_meta
 from engine.cpu.kernels import (INT4_GROUP, assigned, format_tensors, route_linears, routed_linears, router_of,
@@ -34,6 +33,7 @@ from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, model_iden
                                   read_cached, spans, table_file, table_key, write_json)
 from engine.measure.graphed import time_rungs
 from engine.measure.quiet import watch_cpu
+from engine.runtime import model_device
 
 DRAFT_TOP = 32  # the draft's largest captured forward (a batched level of a wide tree); the target's is MAX_ROWS
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.runtime import load_package
 from engine.cuda.fused import FusedStep, layer_forward
+from engine.runtime import load_package
 
 FORMAT = 1  # bump when a package's inputs or outputs change meaning
 MAX_ROWS = 4096  # the largest forward the many-row package takes (a longer prefill runs the eager layer)

@@ -19,8 +19,8 @@ from typing import Iterator
 
 import torch
 
-from engine.runtime import synchronize
 from engine.core.trace import StageTimes
+from engine.runtime import synchronize
 
 
 class StageClock:

@@ -32,9 +32,9 @@ from unittest.mock import patch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from engine.runtime import cache_dir
 from engine.models.pair import ModelLoadError, eos_token_ids, short_error
 from engine.models.progress import Progress, forward_gguf_tqdm, say, span
+from engine.runtime import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -34,12 +34,12 @@ import torch
 import transformers
 
 from engine.bench.captured_ar import CapturedAR
-from engine.runtime import synchronize
 from engine.core.steps import LADDER, StaticSteps
 from engine.measure import gpu_tables
 from engine.measure.costs import PREFIX, measure, probe_ids
 from engine.models import load_pair, tiny_random_pair
 from engine.recipe import RunSpec, generate
+from engine.runtime import synchronize
 from scripts import host_time
 from scripts.device_costs import one_row_walls
 

@@ -20,12 +20,12 @@ import traceback
 
 import torch
 
-from engine.runtime import synchronize
 from engine.core.steps import StaticSteps, graph_capacity
 from engine.cuda import fused
 from engine.measure.costs import PREFIX, probe_ids
 from engine.models import tiny_random_model
 from engine.models.shapes import shape_model
+from engine.runtime import synchronize
 from scripts.device_costs import one_row_walls
 from scripts.gpu_check.fast import profile_one_row
 

@@ -15,12 +15,12 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from engine.runtime import cache_dir
 from engine.cpu.build_guard import process_rss
 from engine.cpu.builder import EXIT_DECLINED, build_request, start_builder
 from engine.cpu.packages import missing, prepare_capture
 from engine.models import PAIRS, load_pair
 from engine.recipe import AR, RunSpec, split_pair, start_run
+from engine.runtime import cache_dir
 from treeviz.serving.compute_thread import COMPUTE
 from treeviz.serving.errors import UserError, friendly_error
 from treeviz.serving.gpu import on_zero_gpu
