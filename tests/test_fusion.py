@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.cpu.fusion import FusionError, Slice, fuse_projections
-from engine.cpu.kernels import PATHS, add_format, format_unavailable, route_linears
+from engine.cpu.fusion import fuse_projections
+from engine.cpu.kernels import PATHS, FusionError, Slice, add_format, format_unavailable, route_linears
 from engine.models import load_pair
 from engine.runtime import forcing
 from rounding import UNIT_ROUNDOFF, assert_as_accurate, assert_caught
@@ -91,8 +91,9 @@ def test_each_format_of_a_fused_projection_gives_each_column_what_the_separate_o
         route_linears(m)
         add_format(m, path)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
-    for parent, stacked, siblings in ((lambda m: m.model.layers[1].self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                                      (lambda m: m.model.layers[1].mlp, "gate_up_proj", ("gate_proj", "up_proj"))):
+    attention, mlp = (lambda m: m.model.layers[1].self_attn), (lambda m: m.model.layers[1].mlp)
+    for parent, stacked, siblings in ((attention, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                      (mlp, "gate_up_proj", ("gate_proj", "up_proj"))):
         with torch.no_grad(), forcing(model, path), forcing(fused, path):
             together = getattr(parent(fused), stacked)(x)
             for name in siblings:

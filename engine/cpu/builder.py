@@ -19,7 +19,8 @@ the package with a message. It records each compile's measured peak in the packa
 a status file the app shows, and ends with the app that started it (parent-death signal and a watchdog thread).
 
 Request fields besides the pair and the recipes, all optional (LIMITS has the defaults): parent_pid (ends with it),
-status_file, lock_wait_s, memory_wait_s, memory_poll_s, headroom_bytes, budget_bytes (the most the builder may hold, compiling included).
+status_file, lock_wait_s, memory_wait_s, memory_poll_s, headroom_bytes, budget_bytes (the most the builder may hold,
+compiling included).
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ transformers' attention calls q_proj, k_proj and v_proj one after another on the
 calls gate_proj and up_proj on the same input: three (two) small GEMMs where one would do, each paying a CPU kernel's
 fixed cost per call, and under dyn8 quantising the same activations again. Here the siblings' weights are stacked
 into one `nn.Linear` on their parent (`qkv_proj`, `gate_up_proj`); a forward pre-hook on the parent runs it once per
-call, and each sibling becomes a `Slice` that hands back its columns of that output. The parent's forward stays
+call, and each sibling becomes a `Slice` that hands back its columns of that output (both live in kernels.py, with
+everything else a forward runs: this module only rebuilds the model at load). The parent's forward stays
 transformers' own, so every family whose modules call their siblings on the input they were given takes it; a
 sibling called on another input raises FusionError rather than answer wrongly.
 
@@ -22,28 +23,9 @@ import inspect
 import torch
 from torch import nn
 
+from engine.cpu.kernels import Slice, StackedCall
+
 SIBLINGS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-class FusionError(RuntimeError):
-    """A fused sibling was called on an input its parent's stacked linear did not run on."""
-
-
-class Slice(nn.Module):
-    """What a sibling projection becomes: columns [start, stop) of the stacked output its parent made for `x`."""
-
-    def __init__(self, name: str, start: int, stop: int):
-        super().__init__()
-        self.name, self.start, self.stop = name, start, stop
-        self.made: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, stacked output) of the parent's call
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.made is None or self.made[0] is not x:
-            raise FusionError(f"{self.name} was called on an input its parent's fused projection did not see")
-        return self.made[1][..., self.start:self.stop]
-
-    def extra_repr(self) -> str:
-        return f"{self.name}: columns {self.start}:{self.stop}"
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -85,23 +67,3 @@ def _fuse(parent: nn.Module, stacked: str, names: tuple[str, ...], linears: list
     hooks = StackedCall(stacked, names, next(iter(inspect.signature(parent.forward).parameters)))
     parent.register_forward_pre_hook(hooks.run, with_kwargs=True)
     parent.register_forward_hook(hooks.forget, with_kwargs=True, always_call=True)
-
-
-class StackedCall:
-    """The parent's hooks: on entry run the stacked linear on the parent's input (`argument`, or its first positional
-    argument) and hand the output to its Slices; on exit, even by an exception, let go of it. Everything is looked up
-    on the module per call, so a copied model's hooks serve the copy, and the linear the formats put in place of the
-    stacked one (kernels.RoutedLinear) is the one that runs."""
-
-    def __init__(self, stacked: str, names: tuple[str, ...], argument: str):
-        self.stacked, self.names, self.argument = stacked, names, argument
-
-    def run(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = args[0] if args else kwargs[self.argument]
-        made = (x, getattr(module, self.stacked)(x))
-        for name in self.names:
-            getattr(module, name).made = made
-
-    def forget(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        for name in self.names:
-            getattr(module, name).made = None

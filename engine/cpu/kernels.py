@@ -22,6 +22,9 @@ Which format is fastest depends on the CPU, the model and the row count, so no c
 model may use are measured (engine/cpu/formats.py), only those its routing picks are kept (`drop_format`: memory
 is a budget), and all linears of a model share one `Router` that sends each row count to the fastest kept format.
 
+A model whose sibling projections were stacked at load (engine/cpu/fusion.py) runs the stacked linear once per call
+of their parent and hands each sibling its columns (`StackedCall`, `Slice`, at the end of this file).
+
 Captured steps (engine/cpu/aoti.py) call the same kernels through one opaque operator, `treeviz::linear`, with
 the weights as the package's inputs: a package holds no copy of them, so every package of a model shares the one
 resident copy, and any number of packages fits in memory.
@@ -757,3 +760,47 @@ def return_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+# -- sibling projections stacked into one linear (engine/cpu/fusion.py stacks them at load) ----------------------------
+
+
+class FusionError(RuntimeError):
+    """A fused sibling was called on an input its parent's stacked linear did not run on."""
+
+
+class Slice(nn.Module):
+    """What a sibling projection becomes: columns [start, stop) of the stacked output its parent made for `x`."""
+
+    def __init__(self, name: str, start: int, stop: int):
+        super().__init__()
+        self.name, self.start, self.stop = name, start, stop
+        self.made: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, stacked output) of the parent's call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.made is None or self.made[0] is not x:
+            raise FusionError(f"{self.name} was called on an input its parent's fused projection did not see")
+        return self.made[1][..., self.start:self.stop]
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: columns {self.start}:{self.stop}"
+
+
+class StackedCall:
+    """A fused parent's hooks (engine/cpu/fusion.py puts them there): on entry, run the stacked linear on the
+    parent's input (`argument`, or its first positional argument) and hand the output to its Slices; on exit, even
+    by an exception, let go of it. Everything is looked up on the module per call, so a copied model's hooks serve
+    the copy, and the linear the formats put in place of the stacked one (a RoutedLinear) is the one that runs."""
+
+    def __init__(self, stacked: str, names: tuple[str, ...], argument: str):
+        self.stacked, self.names, self.argument = stacked, names, argument
+
+    def run(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs[self.argument]
+        made = (x, getattr(module, self.stacked)(x))
+        for name in self.names:
+            getattr(module, name).made = made
+
+    def forget(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        for name in self.names:
+            getattr(module, name).made = None

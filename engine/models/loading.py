@@ -230,17 +230,15 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     (engine/cpu/kernels.py); "auto": where the format probe (engine/cpu/formats.py) finds them faster, "on":
     always one of them, "off": never.
     draft_vocab: None / "full" or N -- the draft scores only the N most frequent tokens (engine/models/vocab.py).
-    draft_quant: "none" | "int8" | "int4" | "auto" -- let the draft's linears take weight-only quantised formats (CPU;
-    "auto": both, and nothing on other devices), kept where the probe and then the cost table measure them faster.
-    Only the formats the routing uses stay in memory.
+    draft_quant: "none" | "int8" | "int4" | "dyn8" | "auto" -- quantised formats the draft's linears may take (CPU;
+    "auto": all this CPU has), kept where the probe measures them faster; only those the routing uses stay in memory.
     calibrate: measure (or read from the disk cache) each model's forward cost per row count and path, and route
     every call to its fastest path (engine/measure/costs.py); recalibrate measures again.
     capture: "auto" | "on" | "off" -- whether runs on this pair take captured steps (engine/cpu/packages.py): CPU
     packages compiled ahead of time (built and measured by `prepare_capture`, which the caller runs when it suits it:
     the app in the background), or CUDA graphs (`auto` and `on`; validated on an H100, docs/gpu.md; the cost table is
     then measured on the graphed steps). Default "off".
-    fuse_draft: on a CPU, stack the draft's q|k|v and gate|up projections into one linear each before its formats
-    are chosen (engine/cpu/fusion.py); the target's are never touched, so its output stays bit for bit its own.
+    fuse_draft: on a CPU, the draft's q|k|v and gate|up become one linear each (engine/cpu/fusion.py); never the target.
     """
     t0 = time.perf_counter()
     device = resolve_device(device)
