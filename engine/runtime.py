@@ -66,6 +66,12 @@ def onednn_bf16() -> bool:
         return False
 
 
+def fused_projections(model) -> int:
+    """How many parents' sibling projections the CPU room stacked into one linear in `model` (engine/cpu/fusion.py;
+    0: none). Read here so that cache keys, reports and the builder's request see it without importing the room."""
+    return getattr(model, "fused_projections", 0)
+
+
 def router_of(model):
     """The kernel router a model's linears share, where the CPU room installed one (engine/cpu/kernels.py `Router`;
     None: its linears are torch's own). Read here so that the measurements read it without importing the room."""

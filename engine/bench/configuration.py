@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.runtime import fused_projections
+
 # argparse dest -> the value the app runs with (its load_pair call and its page's preset menu)
 APP_CONFIGURATION: dict[str, str] = {
     "dtype": "auto",            # bf16 where this CPU has native bf16, else float32 (engine/models/devices.py)
@@ -49,8 +51,7 @@ def run_configuration(pair, asked: dict[str, Any]) -> dict[str, Any]:
            "packed_weights": "packed formats kept" if pair.packed else "none kept",
            "draft_vocab": (pair.draft_vocab or "full") if has_draft else None,
            "draft_quant": kept_formats(pair, "draft") if has_draft else None,
-           "fuse_draft": ("q|k|v, gate|up" if getattr(pair.draft, "fused_projections", 0) else "off")
-           if has_draft else None,
+           "fuse_draft": ("q|k|v, gate|up" if fused_projections(pair.draft) else "off") if has_draft else None,
            "capture": pair.describe_capture(),
            "preset": asked.get("preset")}
     flags = {k: (None if asked.get(k) is None else str(asked[k])) for k in APP_CONFIGURATION}

@@ -18,7 +18,7 @@
   sampling.py     sampling settings and the processed distributions
   prompts.py      the shipped prompt sets and prompt encoding
 
-May import: torch, transformers, numpy, and of the engine only the device rooms' bottom floor: steps.py runs
-engine/cuda's graphs and fused step (pyproject.toml, contracts `engine-rooms` and `core-layers`;
+May import: torch, transformers, numpy, and of the engine only the CUDA room and engine/runtime.py below it: steps.py
+runs engine/cuda's graphs and fused step (pyproject.toml, contracts `engine-rooms` and `core-layers`;
 `algorithm-not-devices` keeps tree.py and drafter.py from importing engine.cuda or engine.cpu themselves).
 """

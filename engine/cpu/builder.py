@@ -40,7 +40,7 @@ from engine.cpu.build_guard import (GiB, BuildStatus, PeakMemory, build_lock, co
                                     read_build_status, span, wait_for_memory)
 from engine.cpu.kernels import standin_tensors
 from engine.cpu.packages import recipe_key
-from engine.runtime import cache_dir
+from engine.runtime import cache_dir, fused_projections
 
 REPOSITORY = Path(__file__).resolve().parents[2]  # the folder `python -m engine...` runs from
 LIMITS = {"lock_wait_s": 1800.0,     # another builder's compile (minutes for a 1.5B fp32 target on 2 cores)
@@ -58,7 +58,7 @@ def build_request(pair, target: str, draft: str | None, recipes: dict[str, list[
     weights or names: whether the draft's projections are fused is read off the pair) and the recipes to compile.
     Extra keywords land in the request as they are (the load options draft_vocab / draft_quant, and any of
     LIMITS)."""
-    fused = bool(getattr(pair.draft, "fused_projections", 0))
+    fused = bool(fused_projections(pair.draft))
     return {"target": target, "draft": draft, "dtype": str(pair.dtype).removeprefix("torch."),
             "device": str(pair.device), "fuse_draft": fused, **load,
             "recipes": {role: [asdict(r) for r in rs] for role, rs in recipes.items()}}

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from engine.cpu.kernels import Slice, StackedCall
+from engine.runtime import fused_projections
 
 SIBLINGS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -31,7 +32,7 @@ SIBLINGS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_p
 def fuse_projections(model: nn.Module) -> int:
     """Stack every parent's sibling projections (SIBLINGS) into one linear; returns how many parents were fused now.
     Idempotent; a parent whose siblings differ in input width, dtype or having a bias is left as it is. The model
-    keeps the count (`fused_projections`), which its cache keys include (engine/measure/costs.py `model_identity`)."""
+    keeps the count (engine/runtime.py `fused_projections`), which its cache keys include (engine/measure/costs.py `model_identity`)."""
     fused = 0
     for parent in list(model.modules()):
         for stacked, names in SIBLINGS.items():
@@ -40,7 +41,7 @@ def fuse_projections(model: nn.Module) -> int:
                 _fuse(parent, stacked, names, linears)
                 fused += 1
     if fused:
-        model.fused_projections = getattr(model, "fused_projections", 0) + fused
+        model.fused_projections = fused_projections(model) + fused
     return fused
 
 

@@ -13,6 +13,6 @@ eager transformers forward stays the reference it is tested against (tests/test_
 phase (engine/core/device_draft.py) stays in the core: it is the algorithm's, runs on either device, and is tested on
 the CPU.
 
-May import (contract `engine-rooms`): fused.py and graphs.py nothing of the engine (they sit under the core); aot.py
-the core. Never the CPU room.
+May import (contract `engine-rooms`): engine/runtime.py alone (the room sits under the core, which runs it); never the
+CPU room.
 """

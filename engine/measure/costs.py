@@ -35,7 +35,7 @@ from engine.core import kv
 from engine.core.steps import LADDER
 from engine.measure.ladder import climb, interpolate
 from engine.measure.quiet import watch_cpu
-from engine.runtime import cache_dir, forcing, onednn_bf16, router_of, synchronize
+from engine.runtime import cache_dir, forcing, fused_projections, onednn_bf16, router_of, synchronize
 
 PREFIX = 300
 # Further context lengths measured beside PREFIX (attention's share of a forward grows with the cache), stored in the
@@ -104,7 +104,7 @@ def model_identity(model, name: str) -> str:
     numel = sum(p.numel() for p in model.parameters())
     head = model.get_output_embeddings()
     vocab = getattr(head, "vocab_rows", None)
-    fused = getattr(model, "fused_projections", 0)
+    fused = fused_projections(model)
     return f"{name}|{digest}|{numel}" + (f"|vocab {vocab}" if vocab else "") + (f"|fused {fused}" if fused else "")
 
 
