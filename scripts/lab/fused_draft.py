@@ -26,12 +26,12 @@ ROWS = (1, 4, 8)
 
 
 def app_draft():
-    """The default draft with the app's trimmed head, before any format is made."""
+    """(model, name, tokenizer): the default draft with the app's trimmed head, before any format is made."""
     model, tokenizer, name = load_model("default-draft", dtype="fp32", device="cpu", role="draft")
     vocab = auto_draft_vocab(tokenizer, model.get_output_embeddings().out_features)
     if vocab:
         trim_head(model, draft_vocab_ids(tokenizer, vocab, [*tokenizer.get_added_vocab().values()]))
-    return model.eval(), name
+    return model.eval(), name, tokenizer
 
 
 def with_formats(model, name: str):
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    plain, name = app_draft()
+    plain, name, _ = app_draft()
     fused = copy.deepcopy(plain)
     fuse_projections(fused)
     models = {"separate": plain, "fused": fused}
