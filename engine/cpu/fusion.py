@@ -32,7 +32,8 @@ SIBLINGS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_p
 def fuse_projections(model: nn.Module) -> int:
     """Stack every parent's sibling projections (SIBLINGS) into one linear; returns how many parents were fused now.
     Idempotent; a parent whose siblings differ in input width, dtype or having a bias is left as it is. The model
-    keeps the count (engine/runtime.py `fused_projections`), which its cache keys include (engine/measure/costs.py `model_identity`)."""
+    keeps the count (engine/runtime.py `fused_projections`), which its cache keys include (engine/measure/costs.py
+    `model_identity`)."""
     fused = 0
     for parent in list(model.modules()):
         for stacked, names in SIBLINGS.items():

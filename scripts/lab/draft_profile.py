@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rows", type=int, default=1)
     args = parser.parse_args()
-    model, name, _ = app_draft()
+    model, _, name = app_draft()
     fuse_projections(model)
     print(f"formats: {with_formats(model, name)}")
     bandwidth = machine_bandwidth(torch.device("cpu"))

@@ -102,7 +102,7 @@ def speed(repeats: int) -> None:
 
 
 def proposals() -> None:
-    model, _, tokenizer = app_draft()
+    model, tokenizer, _ = app_draft()
     fuse_projections(model)
     route_linears(model)
     add_format(model, "dyn8")

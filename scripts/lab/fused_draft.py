@@ -26,12 +26,13 @@ ROWS = (1, 4, 8)
 
 
 def app_draft():
-    """(model, name, tokenizer): the default draft with the app's trimmed head, before any format is made."""
+    """(model, tokenizer, name), in load_model's order: the default draft with the app's trimmed head, before any
+    format is made."""
     model, tokenizer, name = load_model("default-draft", dtype="fp32", device="cpu", role="draft")
     vocab = auto_draft_vocab(tokenizer, model.get_output_embeddings().out_features)
     if vocab:
         trim_head(model, draft_vocab_ids(tokenizer, vocab, [*tokenizer.get_added_vocab().values()]))
-    return model.eval(), name, tokenizer
+    return model.eval(), tokenizer, name
 
 
 def with_formats(model, name: str):
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    plain, name, _ = app_draft()
+    plain, _, name = app_draft()
     fused = copy.deepcopy(plain)
     fuse_projections(fused)
     models = {"separate": plain, "fused": fused}
