@@ -46,8 +46,8 @@ def compile_available(device: torch.device, model=None) -> str | None:
     if device.type != "cpu":
         return f"the compiled AR baseline is CPU-only here (device {device.type}); CUDA graphs are a separate issue"
     if model is not None and any("plain" not in layer.paths for layer in routed_linears(model)):
-        return ("the target keeps only a packed weight format (its plain weights were freed); --packed off keeps "
-                "them, and the captured one-row step is AR at its fastest here")
+        return ("the target's plain weights were freed for another format; map them back first "
+                "(engine/models/checkpoint.py, as the bench does)")
     try:
         from torch._inductor import cpp_builder
         cpp_builder.get_cpp_compiler()

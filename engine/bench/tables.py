@@ -10,10 +10,12 @@ Every method takes the pair's captured steps where it has them (engine/cpu/packa
 method with them off, so captured and eager compare on the same prompts. The ARs: `ar` (the engine's loop, on the pair's
 steps), `ar-eager` (the same loop, eager: beside it wherever the pair has captured steps), `ar-captured` (the
 target's one-row captured step in a bare loop, engine/bench/captured_ar.py: wherever it exists) and `ar-compiled` (AR
-through torch.compile, engine/bench/compiled.py: an independent build of the same one-row recipe, with `compiled_ar`
-"on", or "auto" where the pair has no captured one-row step). Throughput per method and prompt set = new tokens /
-wall time summed over prompts and repeats; speedup divides by the fastest AR's throughput on the same prompts (every
-AR is decoded on each prompt right before the other methods, so drift of the machine cancels). Quality metrics
+through torch.compile, engine/bench/compiled.py: an independent build of the one-row step on the target's plain
+weights, with `compiled_ar` "on", or "auto" wherever the captured one-row step may not be AR at its fastest: there is
+none, or the memory plan dropped a format the probe timed faster at one row, which AR alone would keep).
+Throughput per method and prompt set = new tokens / wall time summed over prompts and repeats; speedup divides by
+the fastest AR's throughput on the same prompts (every AR is decoded on each prompt right before the other methods,
+so drift of the machine cancels). Quality metrics
 (L-bar, l-bar, acceptance) average over iterations. Agreement with AR, per method and prompt set, is the share of its
 greedy runs whose output equals the `ar` run's on the same prompt token for token: 1 in float32, the exact mode; in
 bf16 / fp16 a near-tie may round the other way in a forward of other row counts (docs/rules.md), so it is measured.
@@ -27,15 +29,18 @@ from typing import Any, Callable
 import torch
 
 from engine.bench.captured_ar import CapturedAR, has_captured_step
-from engine.bench.compiled import CompiledAR, compile_available
+from engine.bench.compiled import CACHE_STEP, CompiledAR, compile_available, round_to_step
 from engine.bench.configuration import configuration_text
 from engine.bench.peers import hf_assisted, hf_prompt_lookup
 from engine.core.prompts import encode_prompt, load_prompt_set
 from engine.core.sampling import Sampling
 from engine.core.trace import RunResult
+from engine.cpu.formats import RESERVE
+from engine.cpu.kernels import available_memory, linear_bytes
 from engine.measure.metrics import (DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off,
                                     lookup_work, stage_sums)
 from engine.models import ModelPair
+from engine.models.checkpoint import CheckpointError, map_plain_weights
 from engine.recipe import RunSpec, generate
 from engine.strategies import STRATEGIES, StrategyError
 from engine.verify import Verifier
@@ -180,24 +185,67 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
 
 def compiled_baseline(pair: ModelPair, methods: list[str], mode: str, sets: list[str], limit: int | None,
                       max_new_tokens: int, log: Callable[[str], None]) -> CompiledAR | None:
-    """The ar-compiled baseline, compiled before any timing for every cache size the prompts need, or None."""
+    """The ar-compiled baseline, compiled before any timing, or None. "auto" adds it wherever the captured one-row
+    step may not be AR at its fastest (`captured_ar_not_fastest`); the target's plain weights, where the memory plan
+    freed them, are mapped back from its checkpoint for it."""
     if mode not in COMPILED_AR_MODES:
         raise ValueError(f"compiled_ar must be one of {', '.join(COMPILED_AR_MODES)}, got {mode!r}")
-    if (mode == "off" or (mode == "auto" and has_captured_step(pair))) and AR_COMPILED not in methods:
-        return None  # auto: the captured one-row step is the same recipe, compiled ahead of time
-    reason = compile_available(pair.device, pair.target)
+    if AR_COMPILED not in methods and (mode == "off" or mode == "auto" and not captured_ar_not_fastest(pair)):
+        return None
+    prompts = [encode_prompt(pair.tokenizer, e["prompt"]) for name in sets for e in load_prompt_set(name)[:limit]]
+    totals = [len(ids) + max_new_tokens for ids in prompts]
+    mapped: list[int] = []
+    reason = compile_available(pair.device) or _plain_weights(pair, log, mapped) or _compile_memory(pair)
     if reason:
-        if mode == "auto":
+        if mode == "auto" and AR_COMPILED not in methods:
             log(f"ar-compiled left out: {reason}")
             return None
         raise ValueError(f"ar-compiled cannot run: {reason}")
-    prompts = [encode_prompt(pair.tokenizer, e["prompt"]) for name in sets for e in load_prompt_set(name)[:limit]]
-    totals = [len(ids) + max_new_tokens for ids in prompts]
-    compiled = CompiledAR(pair.target)
+    compiled = CompiledAR(pair.target, cache_step=_cache_step(pair, totals, bool(mapped)))
     sizes = sorted({compiled.cache_size(t) for t in totals})
     log(f"compiling the ar-compiled baseline for static caches of {sizes} positions (torch.compile, max-autotune)...")
     log(f"  compiled in {compiled.warm_up(prompts[0], totals):.0f} s")
     return compiled
+
+
+def captured_ar_not_fastest(pair: ModelPair) -> bool:
+    """Whether AR may run faster than the pair's captured one-row step: there is none, or the memory plan dropped a
+    format the probe timed faster at one row for some target weight (the captured step runs the trees' formats)."""
+    choice = pair.formats.get("target")
+    return not has_captured_step(pair) or bool(choice is not None and choice.dropped_one_row())
+
+
+def _plain_weights(pair: ModelPair, log: Callable[[str], None], mapped: list[int]) -> str | None:
+    """Map back the target's plain weights the memory plan freed (the compile traces them; `mapped` gets how many);
+    None, or why not."""
+    try:
+        mapped.append(map_plain_weights(pair.target))
+    except CheckpointError as err:
+        return str(err)
+    if mapped[0]:
+        log(f"ar-compiled: mapped {mapped[0]} of the target's plain weights back from its checkpoint (the memory plan "
+            "had freed them for the trees' formats; AR alone keeps them)")
+    return None
+
+
+def _cache_step(pair: ModelPair, totals: list[int], mapped: bool = False) -> int:
+    """CACHE_STEP where a graph per cache size fits what is free (each packs its own copy of the weights) and the
+    plain weights were resident already; else one size for every prompt, whose longer cache costs the shorter
+    prompts' steps a little attention. Mapped weights mean memory is short: two copies of the fp32 default target
+    beside the pair took the 24 GiB Ice Lake to its last 2.5 GB (docs/experiments/2026-11-28-ar-baseline.md)."""
+    sizes, free = {round_to_step(t) for t in totals}, available_memory()
+    if not mapped and (free is None or len(sizes) * linear_bytes(pair.target) + RESERVE <= free):
+        return CACHE_STEP
+    return round_to_step(max(totals))
+
+
+def _compile_memory(pair: ModelPair) -> str | None:
+    """None if the compiled graph's packed copy of the target's weights fits in what is free, with RESERVE left."""
+    need, free = linear_bytes(pair.target), available_memory()
+    if free is not None and need + RESERVE > free:
+        return (f"its graph packs a {need / 2**30:.1f} GiB copy of the target's weights and {free / 2**30:.1f} GiB "
+                f"is available ({RESERVE / 2**30:.0f} GiB kept for everything else)")
+    return None
 
 
 def ar_bandwidth(pair: ModelPair, ar_outs: list[dict]) -> float | None:

@@ -374,6 +374,15 @@ class RoutedLinear(nn.Module):
             self.register_buffer(name, tensors[name], persistent=False)
         self.paths.add(path)
 
+    @torch.no_grad()
+    def restore_plain(self, weight: torch.Tensor) -> None:
+        """The plain weight again after `drop("plain")` freed it (engine/models/checkpoint.py reads it back)."""
+        if weight.shape != (self.out_features, self.in_features) or weight.dtype != self.weight.dtype:
+            raise PackingError(f"a plain weight of {tuple(weight.shape)} {weight.dtype} cannot stand for this "
+                               f"layer's {(self.out_features, self.in_features)} {self.weight.dtype}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.paths.add("plain")
+
     def takes(self, path: str) -> bool:
         """Whether this layer's shape takes format `path` (int4: in_features a multiple of its group, out_features of
         16; every other format takes every shape)."""

@@ -7,6 +7,7 @@
   loading.py   one model from a spec, and `load_pair`, which loads, checks, prepares kernels and measures costs
   progress.py  the progress callback that slow loads share
   vocab.py     the draft's trimmed vocabulary head (`--draft-vocab`)
+  checkpoint.py  plain weights mapped back from a model's checkpoint after a format freed them (the bench's AR)
 
 May import: training (adapters), the CPU room (its formats and packages, prepared at load), measure and the core
 (contract `engine-rooms`).
