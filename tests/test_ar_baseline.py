@@ -48,7 +48,9 @@ def test_a_model_without_a_checkpoint_is_refused_with_a_reason():
         layer.drop("plain")
     with pytest.raises(CheckpointError, match="no safetensors checkpoint"):
         map_plain_weights(pair.target)
-    assert "no safetensors checkpoint" in tables._plain_weights(pair, print, [])
+    said = []
+    assert tables.compiled_baseline(pair, ["ar"], "auto", ["code"], 1, 8, said.append) is None
+    assert said and said[0].startswith("ar-compiled left out") and "no safetensors checkpoint" in said[0]
 
 
 def test_bench_auto_runs_ar_compiled_on_the_mapped_plain_weights(tmp_path):

@@ -15,10 +15,9 @@ weights, with `compiled_ar` "on", or "auto" wherever the captured one-row step m
 none, or the memory plan dropped a format the probe timed faster at one row, which AR alone would keep).
 Throughput per method and prompt set = new tokens / wall time summed over prompts and repeats; speedup divides by
 the fastest AR's throughput on the same prompts (every AR is decoded on each prompt right before the other methods,
-so drift of the machine cancels). Quality metrics
-(L-bar, l-bar, acceptance) average over iterations. Agreement with AR, per method and prompt set, is the share of its
-greedy runs whose output equals the `ar` run's on the same prompt token for token: 1 in float32, the exact mode; in
-bf16 / fp16 a near-tie may round the other way in a forward of other row counts (docs/rules.md), so it is measured.
+so drift of the machine cancels). Quality metrics (L-bar, l-bar, acceptance) average over iterations. Agreement
+with AR, per method and prompt set, is the share of its greedy runs whose output equals the `ar` run's on the same
+prompt token for token: 1 in float32, the exact mode; in bf16 / fp16 a near-tie may round the other way in a forward of other row counts (docs/rules.md), so it is measured.
 """
 from __future__ import annotations
 
@@ -194,14 +193,22 @@ def compiled_baseline(pair: ModelPair, methods: list[str], mode: str, sets: list
         return None
     prompts = [encode_prompt(pair.tokenizer, e["prompt"]) for name in sets for e in load_prompt_set(name)[:limit]]
     totals = [len(ids) + max_new_tokens for ids in prompts]
-    mapped: list[int] = []
-    reason = compile_available(pair.device) or _plain_weights(pair, log, mapped) or _compile_memory(pair)
+    reason, mapped = compile_available(pair.device), 0
+    if not reason:
+        try:
+            mapped = map_plain_weights(pair.target)  # the compile traces them
+        except CheckpointError as err:
+            reason = str(err)
+    reason = reason or _compile_memory(pair)
+    if mapped:
+        log(f"ar-compiled: mapped {mapped} of the target's plain weights back from its checkpoint (the memory plan "
+            "had freed them for the trees' formats; AR alone keeps them)")
     if reason:
         if mode == "auto" and AR_COMPILED not in methods:
             log(f"ar-compiled left out: {reason}")
             return None
         raise ValueError(f"ar-compiled cannot run: {reason}")
-    compiled = CompiledAR(pair.target, cache_step=_cache_step(pair, totals, bool(mapped)))
+    compiled = CompiledAR(pair.target, cache_step=_cache_step(pair, totals, mapped > 0))
     sizes = sorted({compiled.cache_size(t) for t in totals})
     log(f"compiling the ar-compiled baseline for static caches of {sizes} positions (torch.compile, max-autotune)...")
     log(f"  compiled in {compiled.warm_up(prompts[0], totals):.0f} s")
@@ -215,33 +222,20 @@ def captured_ar_not_fastest(pair: ModelPair) -> bool:
     return not has_captured_step(pair) or bool(choice is not None and choice.dropped_one_row())
 
 
-def _plain_weights(pair: ModelPair, log: Callable[[str], None], mapped: list[int]) -> str | None:
-    """Map back the target's plain weights the memory plan freed (the compile traces them; `mapped` gets how many);
-    None, or why not."""
-    try:
-        mapped.append(map_plain_weights(pair.target))
-    except CheckpointError as err:
-        return str(err)
-    if mapped[0]:
-        log(f"ar-compiled: mapped {mapped[0]} of the target's plain weights back from its checkpoint (the memory plan "
-            "had freed them for the trees' formats; AR alone keeps them)")
-    return None
-
-
 def _cache_step(pair: ModelPair, totals: list[int], mapped: bool = False) -> int:
     """CACHE_STEP where a graph per cache size fits what is free (each packs its own copy of the weights) and the
     plain weights were resident already; else one size for every prompt, whose longer cache costs the shorter
     prompts' steps a little attention. Mapped weights mean memory is short: two copies of the fp32 default target
     beside the pair took the 24 GiB Ice Lake to its last 2.5 GB (docs/experiments/2026-11-28-ar-baseline.md)."""
-    sizes, free = {round_to_step(t) for t in totals}, available_memory()
-    if not mapped and (free is None or len(sizes) * linear_bytes(pair.target) + RESERVE <= free):
+    if not mapped and _compile_memory(pair, graphs=len({round_to_step(t) for t in totals})) is None:
         return CACHE_STEP
     return round_to_step(max(totals))
 
 
-def _compile_memory(pair: ModelPair) -> str | None:
-    """None if the compiled graph's packed copy of the target's weights fits in what is free, with RESERVE left."""
-    need, free = linear_bytes(pair.target), available_memory()
+def _compile_memory(pair: ModelPair, graphs: int = 1) -> str | None:
+    """None if `graphs` compiled graphs' packed copies of the target's weights fit in what is free, with RESERVE
+    left (or where the free memory cannot be read); else why not."""
+    need, free = graphs * linear_bytes(pair.target), available_memory()
     if free is not None and need + RESERVE > free:
         return (f"its graph packs a {need / 2**30:.1f} GiB copy of the target's weights and {free / 2**30:.1f} GiB "
                 f"is available ({RESERVE / 2**30:.0f} GiB kept for everything else)")
