@@ -17,7 +17,8 @@ Throughput per method and prompt set = new tokens / wall time summed over prompt
 the fastest AR's throughput on the same prompts (every AR is decoded on each prompt right before the other methods,
 so drift of the machine cancels). Quality metrics (L-bar, l-bar, acceptance) average over iterations. Agreement
 with AR, per method and prompt set, is the share of its greedy runs whose output equals the `ar` run's on the same
-prompt token for token: 1 in float32, the exact mode; in bf16 / fp16 a near-tie may round the other way in a forward of other row counts (docs/rules.md), so it is measured.
+prompt token for token: 1 in float32, the exact mode; in bf16 / fp16 a near-tie may round the other way in a forward
+of other row counts (docs/rules.md), so it is measured.
 """
 from __future__ import annotations
 
