@@ -263,6 +263,12 @@ def test_step_bytes_follow_the_single_row_path():
     router_of(model).install(["int8"])
     # one byte per weight plus a scale per output channel, against four bytes per fp32 weight
     assert full / 4 < kernels.step_bytes(model) < full / 3.5
+    linears = list(kernels.routed_linears(model))
+    group = linears[0].group  # one shape group routed to plain at one row, int8 above: its one row reads plain
+    router_of(model).install(["int8"], {group: ["plain", "int8"]})
+    expected = sum(kernels.tensor_bytes(t) for m in linears for t in m.tensors("plain" if m.group == group else "int8"))
+    assert kernels.step_bytes(model) == expected + sum(m.weight.numel() * m.weight.element_size()
+                                                      for m in model.modules() if type(m) is torch.nn.Linear)
 
 
 def test_load_pair_packing_option(monkeypatch, tmp_path):

@@ -36,7 +36,8 @@ from engine.core.prompts import encode_prompt, load_prompt_set
 from engine.core.sampling import Sampling
 from engine.core.trace import RunResult
 from engine.cpu.formats import RESERVE
-from engine.cpu.kernels import available_memory, linear_bytes
+from engine.cpu.kernels import linear_bytes
+from engine.cpu.memory import available_memory
 from engine.measure.metrics import (DRIFT_TOLERANCE, acceptance_by_source, compare_outputs, cost_drift, drift_off,
                                     lookup_work, stage_sums)
 from engine.models import ModelPair

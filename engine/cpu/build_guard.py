@@ -35,7 +35,8 @@ from pathlib import Path
 
 from torch import nn
 
-from engine.cpu.kernels import RoutedLinear, available_memory
+from engine.cpu.kernels import RoutedLinear
+from engine.cpu.memory import available_memory
 
 LOCK_NAME = ".build.lock"
 DEFAULT_PEAK_FACTOR = 2.5       # compile growth per byte of weights the package holds, before anything was measured

@@ -14,7 +14,8 @@ weight shape), at each rung of the ladder:
     one row and packed above it). So a model's routing changes at one row count at most, and its captured steps are
     two packages (engine/cpu/packages.py `plan`);
   * `plan_memory` then drops the second formats that buy the least time per byte until the pair's weights fit its
-    budget (`weights_budget`): one resident copy of each format a route reads, and no more than the machine has.
+    budget (`weights_budget`): one resident copy of each format a route reads, and no more than the machine has
+    (8 GiB of weights on a 16 GiB machine; more on a larger one, where one-row AR keeps its own format).
 
 The probe is cached per machine like the cost tables, where the machine was quiet while it ran
 (engine/measure/quiet.py); the whole-model table (engine/measure/costs.py) is measured afterwards on the formats
@@ -35,9 +36,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.core.steps import LADDER
-from engine.cpu.kernels import (INT4_GROUP, PATHS, QUANTISED, RoutedLinear, available_memory, drop_format,
-                                format_unavailable, named_routed_linears, routed_linears, router_of, tensor_bytes,
-                                tied_weights)
+from engine.cpu.kernels import (INT4_GROUP, PATHS, QUANTISED, RoutedLinear, drop_format, format_unavailable,
+                                named_routed_linears, routed_linears, router_of, tensor_bytes, tied_weights)
+from engine.cpu.memory import available_memory, total_memory
 from engine.measure.costs import ModelCosts, machine, model_identity, read_cached, table_file, write_json
 from engine.measure.ladder import climb, interpolate
 from engine.measure.quiet import watch_cpu
@@ -51,9 +52,11 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # How much each row count's speed matters when memory forces a choice: one row is every AR step and most draft
 # steps; 2-16 rows are trees; 32-64 rows are rare.
 WEIGHT = {1: 4.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 1.0, 32: 0.25, 64: 0.25}
-WEIGHTS_CEILING = 8 << 30  # the pair's linear weights never exceed this (TREEVIZ_WEIGHTS_GIB overrides). The app
+WEIGHTS_CEILING = 8 << 30  # the pair's linear weights never exceed this on a machine of up to 18 GiB. The app
 # beside them holds ~2 GiB (runtime, embeddings, caches) and its builder ~2 GiB plus a compile's growth: together
 # inside a 16 GiB machine. In fp32 the default pair then keeps about one format per weight shape.
+BESIDE_WEIGHTS = 10 << 30  # on a larger machine the ceiling is its memory less this: the app and its builder as
+# above, a browser and the system (a 24 GiB machine: 14 GiB, room for AR's own one-row format beside the trees')
 RESERVE = 3 << 30  # memory left to everything else when the budget comes from what is free
 
 
@@ -284,11 +287,20 @@ def _probe(model, paths: list[str], compute_dtype, notes: list[str]):
 # -- the memory plan ----------------------------------------------------------------------------------------------------
 
 def weights_budget(loaded_bytes: int) -> int:
-    """Bytes the pair's linear weights may take: WEIGHTS_CEILING (or TREEVIZ_WEIGHTS_GIB), and no more than what is
-    free now plus what the loaded models already hold, less RESERVE for everything else."""
-    ceiling = int(float(os.environ.get("TREEVIZ_WEIGHTS_GIB", WEIGHTS_CEILING / 2**30)) * 2**30)
+    """Bytes the pair's linear weights may take: `weights_ceiling()` (or TREEVIZ_WEIGHTS_GIB), and no more than what
+    is free now plus what the loaded models already hold, less RESERVE for everything else."""
+    ceiling = int(float(os.environ.get("TREEVIZ_WEIGHTS_GIB", weights_ceiling() / 2**30)) * 2**30)
     free = available_memory()
     return ceiling if free is None else min(ceiling, free + loaded_bytes - RESERVE)
+
+
+def weights_ceiling(total: int | None = None) -> int:
+    """WEIGHTS_CEILING on a machine (or container) of `total` bytes (default: this one's) up to 18 GiB, its memory
+    less BESIDE_WEIGHTS above: where a float32 pair has room, one-row AR keeps the format it runs fastest (plain,
+    where the trees' rows run MKL's packed GEMMs), so the page's Race measures AR at its fastest
+    (docs/experiments/2026-11-29-room-for-ar.md)."""
+    total = total_memory() if total is None else total
+    return WEIGHTS_CEILING if total is None else max(WEIGHTS_CEILING, total - BESIDE_WEIGHTS)
 
 
 def plan_memory(choices: list[FormatChoice], budget: int) -> list[str]:

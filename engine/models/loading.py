@@ -32,8 +32,8 @@ from engine.core.attention import use_tree_sdpa
 from engine.cpu.formats import choose_formats, drop_unrouted, make_whole, plan_memory, weights_budget
 from engine.cpu.fusion import fuse_projections
 from engine.cpu.kernels import (MODES, PACKED, QUANTISED, PackingError, check_quant_mode, format_unavailable,
-                                linear_bytes, packed_dtype, return_freed_memory, route_linears, router_of,
-                                step_bytes)
+                                linear_bytes, own_plain_weights, packed_dtype, return_freed_memory, route_linears,
+                                router_of, step_bytes)
 from engine.cpu.packages import remember_fingerprint
 from engine.measure.costs import PairCosts, machine_bandwidth, measure, model_costs
 from engine.measure.graphed import measure_graphed
@@ -325,6 +325,8 @@ def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | st
     for (role, model), done in zip(made, making):
         done.result()  # a PackingError raised in its thread is raised here
         say(progress, 1.0, f"{role} weights: {router_of(model).describe()}")
+    for _, model, _ in pair.models():
+        own_plain_weights(model)  # routed plain weights stream faster from the process's memory than from the file
     kept = [p for choice in pair.formats.values() for p in choice.kept]
     pair.packed = any(p in PACKED for p in kept)
     pair.draft_quant = quant if pair.draft is not None else "none"  # asked for; what was kept: pair.formats

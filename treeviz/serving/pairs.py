@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engine.cpu.build_guard import process_rss
 from engine.cpu.builder import EXIT_DECLINED, build_request, start_builder
+from engine.cpu.memory import total_memory
 from engine.cpu.packages import missing, prepare_capture
 from engine.models import PAIRS, load_pair
 from engine.recipe import AR, RunSpec, split_pair, start_run
@@ -38,11 +39,19 @@ GPU_PRESET = HUB_PRESETS[0]
 
 
 MEMORY_CEILING_GIB = 16.0  # the app and its builder together: a 16 GB laptop or CPU Space runs it
+BESIDE_APP_GIB = 4.0  # on a larger machine the ceiling is its memory less this: the system and a browser
 
 
-def memory_ceiling() -> int:
-    """Bytes the app and its builder may hold together: MEMORY_CEILING_GIB, or TREEVIZ_MEMORY_GIB."""
-    return int(float(os.environ.get("TREEVIZ_MEMORY_GIB", MEMORY_CEILING_GIB)) * 2**30)
+def memory_ceiling(total: int | None = None) -> int:
+    """Bytes the app and its builder may hold together: TREEVIZ_MEMORY_GIB, else MEMORY_CEILING_GIB, or the memory
+    of this machine (or container; `total` overrides) less BESIDE_APP_GIB where that is more. It grows with the
+    machine as the weights plan does (engine/cpu/formats.py `weights_ceiling`), so a builder still has room beside
+    an app that kept more formats."""
+    if "TREEVIZ_MEMORY_GIB" in os.environ:
+        return int(float(os.environ["TREEVIZ_MEMORY_GIB"]) * 2**30)
+    total = total_memory() if total is None else total
+    floor = int(MEMORY_CEILING_GIB * 2**30)
+    return floor if total is None else max(floor, total - int(BESIDE_APP_GIB * 2**30))
 
 
 def pair_choices(manager: "PairManager | None" = None) -> list[str]:
