@@ -4,7 +4,7 @@ own format."""
 import pytest
 import torch
 
-from engine.cpu import formats
+from engine.cpu import formats, memory
 from engine.cpu.formats import FormatChoice, GroupChoice, plan_memory, weights_budget, weights_ceiling
 from engine.cpu.kernels import _file_mapped, named_routed_linears, own_plain_weights, route_linears, routed_linears
 from engine.cpu.memory import available_memory, total_memory
@@ -69,7 +69,7 @@ def test_the_host_is_shorter_than_a_generous_container(tmp_path):
 
 
 def test_the_weights_ceiling_grows_with_the_machine_above_eighteen_gib(monkeypatch):
-    monkeypatch.setattr(formats, "total_memory", lambda: None)
+    monkeypatch.setattr(memory, "total_memory", lambda: None)
     assert weights_ceiling() == formats.WEIGHTS_CEILING  # nothing readable: the 16 GiB plan
     assert weights_ceiling(16 * GIB) == 8 * GIB  # the 16 GiB plan, unchanged
     assert weights_ceiling(18 * GIB) == 8 * GIB
@@ -90,7 +90,7 @@ def default_target_fp32() -> FormatChoice:
 def test_a_24_gib_machine_keeps_one_row_ar_s_plain_weights_and_a_16_gib_one_drops_them(monkeypatch):
     monkeypatch.delenv("TREEVIZ_WEIGHTS_GIB", raising=False)
     for total in (16 * GIB, 24 * GIB):
-        monkeypatch.setattr(formats, "total_memory", lambda total=total: total)
+        monkeypatch.setattr(memory, "total_memory", lambda total=total: total)
         monkeypatch.setattr(formats, "available_memory", lambda total=total: total - 2 * GIB)
         choice = default_target_fp32()
         plan_memory([choice], weights_budget(loaded_bytes=sum(g.plain_bytes for g in choice.groups.values())))

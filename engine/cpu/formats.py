@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from engine.core.steps import LADDER
 from engine.cpu.kernels import (INT4_GROUP, PATHS, QUANTISED, RoutedLinear, drop_format, format_unavailable,
                                 named_routed_linears, routed_linears, router_of, tensor_bytes, tied_weights)
-from engine.cpu.memory import available_memory, total_memory
+from engine.cpu.memory import available_memory, grown
 from engine.measure.costs import ModelCosts, machine, model_identity, read_cached, table_file, write_json
 from engine.measure.ladder import climb, interpolate
 from engine.measure.quiet import watch_cpu
@@ -299,8 +299,7 @@ def weights_ceiling(total: int | None = None) -> int:
     less BESIDE_WEIGHTS above: where a float32 pair has room, one-row AR keeps the format it runs fastest (plain,
     where the trees' rows run MKL's packed GEMMs), so the page's Race measures AR at its fastest
     (docs/experiments/2026-11-29-room-for-ar.md)."""
-    total = total_memory() if total is None else total
-    return WEIGHTS_CEILING if total is None else max(WEIGHTS_CEILING, total - BESIDE_WEIGHTS)
+    return grown(WEIGHTS_CEILING, BESIDE_WEIGHTS, total)
 
 
 def plan_memory(choices: list[FormatChoice], budget: int) -> list[str]:

@@ -2,6 +2,7 @@
 
     total_memory()       # bytes the app may ever hold: MemTotal, or the container's limit where that is lower
     available_memory()   # bytes it could take now: MemAvailable, or what the container's limit leaves
+    grown(floor, beside) # a budget: `floor`, or the memory less `beside` where that is more
 
 Why the cgroup: a Hugging Face CPU Space is a 16 GB container on a larger host, and /proc/meminfo there shows the
 host. A memory plan sized from the host's numbers would take memory the container does not have. cgroup v2 is read
@@ -36,6 +37,13 @@ def available_memory(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> int | No
         return host
     room = max(limit[0] - limit[1], 0)
     return room if host is None else min(host, room)
+
+
+def grown(floor: int, beside: int, total: int | None = None) -> int:
+    """`floor` bytes, or the machine's memory (`total`, default this one's) less `beside` where that is more: a budget
+    sized for a 16 GiB machine that grows on a larger one (the weights plan's and the app's, which must grow alike)."""
+    total = total_memory() if total is None else total
+    return floor if total is None else max(floor, total - beside)
 
 
 def _cgroup(root: Path, host: int | None) -> tuple[int, int] | None:

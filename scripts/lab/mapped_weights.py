@@ -4,8 +4,9 @@
 
 Loads the default pair in the app's configuration (with room for `plain` beside the trees' format, so one-row AR
 reads plain weights), then times the target's one-row eager forward over a 300-token cache with its plain weights
-as loaded (views of the converted checkpoint's file, page cache) and as the process's own copies (what load_pair makes them:
-engine/cpu/kernels.py `own_plain_weights`), swapping the two under the same Parameters, interleaved round by round.
+as loaded (views of the converted checkpoint's file, page cache) and as the process's own copies (what load_pair
+makes them: engine/cpu/kernels.py `own_plain_weights`), swapping the two under the same Parameters, interleaved
+round by round.
 Prints each round's median and the ratio. The tied head (the embedding's tensor) stays the process's copy in both.
 """
 from __future__ import annotations
@@ -14,7 +15,6 @@ import argparse
 import statistics
 
 import torch
-
 from safetensors import safe_open
 
 from engine.cpu.kernels import _file_mapped, named_routed_linears

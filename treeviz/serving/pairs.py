@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from engine.cpu.build_guard import process_rss
 from engine.cpu.builder import EXIT_DECLINED, build_request, start_builder
-from engine.cpu.memory import total_memory
+from engine.cpu.memory import grown
 from engine.cpu.packages import missing, prepare_capture
 from engine.models import PAIRS, load_pair
 from engine.recipe import AR, RunSpec, split_pair, start_run
@@ -49,9 +49,7 @@ def memory_ceiling(total: int | None = None) -> int:
     an app that kept more formats."""
     if "TREEVIZ_MEMORY_GIB" in os.environ:
         return int(float(os.environ["TREEVIZ_MEMORY_GIB"]) * 2**30)
-    total = total_memory() if total is None else total
-    floor = int(MEMORY_CEILING_GIB * 2**30)
-    return floor if total is None else max(floor, total - int(BESIDE_APP_GIB * 2**30))
+    return grown(int(MEMORY_CEILING_GIB * 2**30), int(BESIDE_APP_GIB * 2**30), total)
 
 
 def pair_choices(manager: "PairManager | None" = None) -> list[str]:
