@@ -25,7 +25,7 @@ def test_the_fastest_one_row_format_the_plan_dropped_is_named():
     assert GroupChoice(ONE_ROW_PLAIN, ["mkl", "plain"], plain_bytes=100).dropped_one_row() is None  # kept
     near = {"plain": {1: 1.28, 2: 2.0}, "mkl": {1: 1.3, 2: 1.4}}  # faster by less than SHARE: not worth a copy
     assert GroupChoice(near, ["mkl"], plain_bytes=100).dropped_one_row() is None
-    choice = FormatChoice({"a": dropped, "b": GroupChoice(ONE_ROW_PLAIN, ["mkl", "plain"], 100)}, {"mkl": 1.0})
+    choice = FormatChoice({"a": dropped, "b": GroupChoice(ONE_ROW_PLAIN, ["mkl", "plain"], 100)}, {})
     assert choice.dropped_one_row() == {"a": "plain"}
 
 
@@ -71,7 +71,7 @@ def test_a_dropped_one_row_format_asks_for_ar_compiled_even_beside_a_captured_st
     pair = tiny_random_pair(None)
     monkeypatch.setattr(tables, "has_captured_step", lambda p: True)
     assert not tables.captured_ar_not_fastest(pair)  # no probe: the captured step is AR's own routing
-    pair.formats["target"] = FormatChoice({"g": GroupChoice(ONE_ROW_PLAIN, ["mkl"], 100)}, {"mkl": 1.0})
+    pair.formats["target"] = FormatChoice({"g": GroupChoice(ONE_ROW_PLAIN, ["mkl"], 100)}, {})
     assert tables.captured_ar_not_fastest(pair)
     pair.formats["target"].groups["g"].kept.append("plain")
     assert not tables.captured_ar_not_fastest(pair)

@@ -530,7 +530,7 @@ def keeping(model, path: str):
     groups = {}
     for layer in kernels.routed_linears(model):
         groups.setdefault(layer.group, GroupChoice({path: {1: 1.0}}, [path], 0))
-    return FormatChoice(groups, {path: 1.0})
+    return FormatChoice(groups, {})
 
 
 def made_whole(path: str, seed: int = 0):

@@ -3,9 +3,10 @@
 Making every format of a 1.5B model whole to time whole forwards costs minutes and a copy of the weights per format
 (engine/cpu/kernels.py lists them), and most formats lose on a given CPU (weight-only int8 on an AVX2-only CPU
 loses at every row count). So formats are timed on the linears of the model's first decoder layers -- enough of
-them that their weights overflow the last-level cache twice, so the probe streams from memory as a forward does --
-and on the layers outside them (the LM head), one shape group at a time (`kernels.group_of`: every linear of one
-weight shape), at each rung of the ladder:
+them that the group's own weights fill the last-level cache (every layer where the model has fewer), the cache
+flushed before every timed sweep, so the probe streams from memory as a forward does -- and on the layers
+outside them (the LM head), one shape group at a time (`kernels.group_of`: every linear of one weight shape), at each
+rung of the ladder:
 
   * a format stops climbing once it is ladder.CLIMB_LIMIT times the best at a rung (what is not measured is priced
     as not competitive, never guessed);
@@ -47,7 +48,8 @@ from engine.runtime import cache_dir
 SHARE = 1.05  # a second format is kept only where it beats the first by more than this
 REPEATS = 3
 STORED = 1  # bump when what stored_file keeps changes meaning
-FORMAT = 5  # bump when a cached probe's meaning changes (5: cached only where probed on a quiet machine)
+FORMAT = 6  # bump when a cached probe's meaning changes (5: cached only where probed on a quiet machine; 6: each
+# group on enough of its own layers to stream, the cache flushed before each sweep)
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # How much each row count's speed matters when memory forces a choice: one row is every AR step and most draft
 # steps; 2-16 rows are trees; 32-64 rows are rare.
@@ -96,10 +98,11 @@ class GroupChoice:
 
 @dataclass
 class FormatChoice:
-    """The probe's verdict for one model: per group, the formats to make whole; each format's bytes per byte of
-    plain weight; why formats were not probed."""
+    """The probe's verdict for one model: per group, the formats to make whole and each format's bytes per byte of
+    plain weight (per group: MKL's packing pads a 1536x256 weight to 6.7 times its bytes, a 1536x8960 one to 1.24);
+    why formats were not probed."""
     groups: dict[str, GroupChoice]
-    size: dict[str, float]
+    size: dict[str, dict[str, float]]
     notes: list[str] = field(default_factory=list)
     measured: bool = False
     disturbed: str | None = None  # probed here beside other work (engine/measure/quiet.py): what shared the CPU
@@ -111,8 +114,12 @@ class FormatChoice:
 
     def bytes(self) -> int:
         """Resident bytes of the kept formats over the whole model's linears."""
-        return int(sum(g.plain_bytes * self.size.get(p, 1.0) for g in self.groups.values() for p in g.kept
+        return int(sum(self.format_bytes(group, p) for group, g in self.groups.items() for p in g.kept
                        if not (g.tied and p == "plain")))
+
+    def format_bytes(self, group: str, path: str) -> int:
+        """Bytes the group's linears take in `path` (their plain bytes where the probe did not say)."""
+        return int(self.groups[group].plain_bytes * self.size.get(group, {}).get(path, 1.0))
 
     def routing(self) -> dict[str, list[str]]:
         return {group: g.routing() for group, g in self.groups.items()}
@@ -148,22 +155,22 @@ def last_level_cache() -> int:
 
 
 def probe_groups(model) -> dict[str, list[RoutedLinear]]:
-    """Per shape group, the linears the probe times: those of the first decoder layers whose weights overflow the
-    last-level cache twice (every layer if the model is smaller), and every linear outside the layers."""
-    by_layer: dict[int | None, list[RoutedLinear]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, RoutedLinear):
-            match = _LAYER.search(name + ".")
-            by_layer.setdefault(int(match.group(1)) if match else None, []).append(module)
-    chosen, size, want = list(by_layer.pop(None, [])), 0, 2 * last_level_cache()
-    for index in sorted(by_layer):
-        if size >= want:
-            break
-        chosen += by_layer[index]
-        size += sum(_plain_bytes(layer) for layer in by_layer[index])
+    """Per shape group, the linears the probe times: the group's own in the first decoder layers until their weights
+    fill the last-level cache (every layer if the model has fewer), and every linear outside the layers. Counted per
+    group because each group is timed alone, and `CacheFlush` empties the cache before each sweep: a sweep that long
+    streams as a forward does. Counted over all groups, the draft's q|k|v was timed on its first two layers (8 MB),
+    from the cache (docs/experiments/2026-11-29-probe-streams.md)."""
+    want = last_level_cache()
     groups: dict[str, list[RoutedLinear]] = {}
-    for layer in chosen:
-        groups.setdefault(layer.group, []).append(layer)
+    size: dict[str, int] = {}
+    for name, module in model.named_modules():  # layer by layer, in order
+        if not isinstance(module, RoutedLinear):
+            continue
+        in_layer = _LAYER.search(name + ".") is not None
+        if in_layer and size.get(module.group, 0) >= want:
+            continue
+        groups.setdefault(module.group, []).append(module)
+        size[module.group] = size.get(module.group, 0) + (_plain_bytes(module) if in_layer else 0)
     return groups
 
 
@@ -175,24 +182,40 @@ def time_formats(layers: list[RoutedLinear], paths: list[str], ladder=LADDER, re
                  ) -> dict[str, dict[int, float]]:
     """Seconds of one call of every layer in `layers` on each format, per rung, climbed as `ladder.climb` does
     (fastest of `repeats`, formats interleaved, a clearly losing format stops climbing), after a discarded warm-up
-    per rung."""
+    per rung; the cache flushed before every sweep (`CacheFlush`)."""
     generator = torch.Generator().manual_seed(0)
     dtype = layers[0].weight.dtype
     inputs: list[torch.Tensor] = []
+    flush = CacheFlush()
 
     def at_rung(rows: int, live: list[str]) -> None:  # this rung's inputs, and a discarded warm-up per format
         inputs[:] = [torch.randn(rows, layer.in_features, generator=generator).to(dtype) for layer in layers]
         for path in live:
-            _sweep(layers, inputs, path)
+            _sweep(layers, inputs, path, flush)
 
     with torch.inference_mode():
-        return climb(paths, ladder, lambda path, rows: _sweep(layers, inputs, path), repeats, at_rung)
+        return climb(paths, ladder, lambda path, rows: _sweep(layers, inputs, path, flush), repeats, at_rung)
 
 
-def _sweep(layers, inputs, path: str) -> float:
+class CacheFlush:
+    """Reads a buffer of twice the last-level cache: a sweep after it finds none of its weights cached, as in a
+    forward, where every other weight passes through the cache between two calls of one layer. Without it, a format
+    whose group fits the cache (a quantised copy is a quarter of the bytes) is timed from the cache on the second
+    sweep."""
+
+    def __init__(self):
+        self.buffer = torch.ones(2 * last_level_cache() // 4)  # written, so its pages are real (not the zero page)
+
+    def __call__(self) -> None:
+        self.buffer.sum()
+
+
+def _sweep(layers, inputs, path: str, flush=None) -> float:
     router = layers[0].router
     router.forced = path
     try:
+        if flush is not None:
+            flush()
         start = time.perf_counter()
         for layer, x in zip(layers, inputs):
             layer(x)
@@ -261,7 +284,7 @@ def _kept(seconds, tied: bool) -> list[str]:
 
 
 def _probe(model, paths: list[str], compute_dtype, notes: list[str]):
-    """(seconds[group][path][rows], bytes per plain byte per path) on copies made for the probed layers only; a
+    """(seconds[group][path][rows], bytes per plain byte[group][path]) on copies made for the probed layers only; a
     group is probed on the formats its weight shape takes (int4 needs multiples of its group size)."""
     groups = probe_groups(model)
     probed = [layer for layers in groups.values() for layer in layers]
@@ -273,8 +296,7 @@ def _probe(model, paths: list[str], compute_dtype, notes: list[str]):
             for layer in layers:
                 for path in takes[g]:
                     layer.add(path, compute_dtype)
-        size = {p: sum(tensor_bytes(t) for layer in probed if p in layer.paths for t in layer.tensors(p))
-                / max(sum(_plain_bytes(layer) for layer in probed if p in layer.paths), 1) for p in paths}
+        size = {g: {p: _bytes_ratio(layers, p) for p in takes[g]} for g, layers in groups.items()}
         seconds = {g: time_formats(layers, takes[g]) for g, layers in groups.items()}
     finally:
         for layer in probed:
@@ -282,6 +304,12 @@ def _probe(model, paths: list[str], compute_dtype, notes: list[str]):
                 if path != "plain":
                     layer.drop(path)
     return seconds, size
+
+
+def _bytes_ratio(layers: list[RoutedLinear], path: str) -> float:
+    """Bytes of `layers` in `path` per byte of their plain weights."""
+    made = [layer for layer in layers if path in layer.paths]
+    return sum(tensor_bytes(t) for layer in made for t in layer.tensors(path)) / max(sum(map(_plain_bytes, made)), 1)
 
 
 # -- the memory plan ----------------------------------------------------------------------------------------------------
@@ -308,7 +336,7 @@ def plan_memory(choices: list[FormatChoice], budget: int) -> list[str]:
     not this plan's). Returns one note per format dropped."""
     notes = []
     while sum(c.bytes() for c in choices) > budget:
-        options = [(g.loss_without(p) / max(g.plain_bytes * c.size.get(p, 1.0), 1), c, group, p)
+        options = [(g.loss_without(p) / max(c.format_bytes(group, p), 1), c, group, p)
                    for c in choices for group, g in c.groups.items() if len(g.kept) > 1 for p in g.kept]
         if not options:
             notes.append(f"the weights need {sum(c.bytes() for c in choices) / 2**30:.1f} GiB in one format each; "
