@@ -327,7 +327,7 @@ def load_request_pair(request: dict):
     from engine.models.loading import load_pair
     pair = load_pair(request["target"], request["draft"], dtype=request["dtype"], device=request["device"],
                      packed="off", calibrate=False, draft_vocab=request.get("draft_vocab"),
-                     fuse_draft=request.get("fuse_draft", True))
+                     fuse_draft=request.get("fuse_draft", True), own_weights=False)
     for _, model, _ in pair.models():  # a package's key does not depend on the formats the app's models keep
         release_weights(model)
     return pair

@@ -145,3 +145,17 @@ def test_load_pair_leaves_no_routed_plain_weight_on_the_file(tmp_path):
     pair = load_pair(saved_tiny(tmp_path / "t", tied=False), None, dtype="fp32", device="cpu", calibrate=False)
     plain = [m for m in routed_linears(pair.target) if "plain" in m.paths]
     assert plain and not any(_file_mapped(m.weight.data_ptr(), m.weight.data_ptr() + m.weight.nbytes) for m in plain)
+
+
+def test_the_builder_s_load_copies_no_weight_out_of_the_file(tmp_path, monkeypatch):
+    """The builder drops its weights unread (aoti.release_weights), so a copy there would only sit beside the app's:
+    on a 16 GiB plan the fp32 pair's copy took app and builder together to 16.3 GiB."""
+    from engine.cli import load_request_pair
+    from engine.models import loading
+    copied = []
+    monkeypatch.setattr(loading, "own_plain_weights", lambda model: copied.append(model) or 0)
+    folder = saved_tiny(tmp_path / "t", tied=False)
+    load_request_pair({"target": folder, "draft": None, "dtype": "float32", "device": "cpu"})
+    assert copied == []
+    load_pair(folder, None, dtype="fp32", device="cpu", calibrate=False)  # the app's load does copy
+    assert len(copied) == 1

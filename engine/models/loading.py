@@ -223,7 +223,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
               device: torch.device | str = "auto", trust_remote_code: bool = False,
               packed: str = "auto", progress: Progress | None = None, draft_vocab: int | str | None = None,
               draft_quant: str = "none", calibrate: bool = True, recalibrate: bool = False,
-              capture: str = "off", fuse_draft: bool = True) -> ModelPair:
+              capture: str = "off", fuse_draft: bool = True, own_weights: bool = True) -> ModelPair:
     """Load target (+ optional draft) and refuse pairs the decoder cannot run exactly.
 
     packed: "auto" | "on" | "off" -- whether CPU linears may be re-laid out once for MKL's or oneDNN's packed GEMMs
@@ -239,6 +239,9 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     the app in the background), or CUDA graphs (`auto` and `on`; validated on an H100, docs/gpu.md; the cost table is
     then measured on the graphed steps). Default "off".
     fuse_draft: on a CPU, the draft's q|k|v and gate|up become one linear each (engine/cpu/fusion.py); never the target.
+    own_weights: copy the routed plain weights out of the checkpoint's file into this process's memory
+    (kernels.own_plain_weights: they stream faster); a process that drops its weights unread says False (the
+    package builder, whose copy would sit beside the app's: docs/experiments/2026-11-29-probe-streams.md).
     """
     t0 = time.perf_counter()
     device = resolve_device(device)
@@ -265,7 +268,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
             use_tree_sdpa(model)  # tree masks without repeating grouped key/value heads (engine/core/attention.py)
     pair = ModelPair(t_model, d_model, t_tok, device, dtype, t_name, d_name, capture=capture_backend(capture, device))
     try:
-        prepare_kernels(pair, packed, draft_vocab, draft_quant, progress, recalibrate, fuse_draft)
+        prepare_kernels(pair, packed, draft_vocab, draft_quant, progress, recalibrate, fuse_draft, own_weights)
         if d_model is not None:  # a draft whose table differs by padding rows: the target's width (after trimming)
             fallback = next((i for i in (t_tok.pad_token_id, t_tok.eos_token_id) if i is not None), 0)
             match_draft_width(d_model, t_model.config.get_text_config().vocab_size, fallback)
@@ -283,7 +286,7 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
 
 def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | str | None = None,
                     draft_quant: str = "none", progress: Progress | None = None, recalibrate: bool = False,
-                    fuse_draft: bool = True) -> None:
+                    fuse_draft: bool = True, own_weights: bool = True) -> None:
     """Trim the draft's head and (on a CPU, `fuse_draft`) stack its sibling projections, then give each model's
     linears the weight formats this CPU runs fastest, per shape group, and only those that fit the memory plan
     (engine/cpu/formats.py: a short probe, then `plan_memory`; the others are never made whole). Trim and fusion
@@ -325,7 +328,7 @@ def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | st
     for (role, model), done in zip(made, making):
         done.result()  # a PackingError raised in its thread is raised here
         say(progress, 1.0, f"{role} weights: {router_of(model).describe()}")
-    for _, model, _ in pair.models():
+    for _, model, _ in pair.models() if own_weights else ():
         own_plain_weights(model)  # routed plain weights stream faster from the process's memory than from the file
     kept = [p for choice in pair.formats.values() for p in choice.kept]
     pair.packed = any(p in PACKED for p in kept)

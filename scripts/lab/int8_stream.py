@@ -5,9 +5,12 @@ step does (a single shape called again and again reads them from the cache and l
 
     python -m scripts.lab.int8_stream [--threads 1 2] [--steps 30]
 
-Prints each kernel's one-row step in ms and the GB/s it streams, interleaved, per thread count. oneDNN's time is
-the GEMM alone (its activations quantised outside the timing), so it is a lower bound on that format's cost. If the
-time halves from one thread to two, the kernels are bound by each core's work and not by memory's bandwidth.
+Prints each kernel's one-row step in ms and the GB/s it streams, interleaved, per thread count, beside the streaming
+read of that many threads (`engine.measure.costs.stream_bandwidth`, a sum of 1 GiB). oneDNN's time is the GEMM alone
+(its activations quantised outside the timing), so it is a lower bound on that format's cost. Compare each kernel
+with the read of its own thread count: one core of a server part cannot draw the machine's bandwidth alone
+(docs/experiments/2026-11-29-probe-streams.md), so a time that halves from one thread to two does not by itself say
+the kernel is bound by its cores' work.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import warnings
 
 import torch
 
+from engine.measure.costs import stream_bandwidth
 from scripts.lab.fused_projections import median_us
 
 LAYER = [(896, 1152), (896, 896), (896, 9728), (4864, 896)]  # in x out: q|k|v, o, gate|up, down (fused draft)
@@ -63,6 +67,8 @@ def main() -> None:
     print(f"{len(ws)} int8 linears, {gigabytes:.3f} GB of weights, one row")
     for threads in args.threads:
         torch.set_num_threads(threads)
+        read = stream_bandwidth(torch.device("cpu")) / 1e9
+        print(f"  {threads} thread(s)  {'streaming read (sum)':<24} {'':>9}  {read:5.1f} GB/s", flush=True)
         for _ in range(2):  # interleaved twice
             for name, step in kernels.items():
                 ms = median_us(step, repeats=args.steps) / 1e3
