@@ -78,3 +78,22 @@ def test_each_group_s_bytes_per_format_are_its_own(routed, monkeypatch):
         assert ratios["plain"] == 1.0
         assert ratios["mkl"] == pytest.approx(packed.numel() * packed.element_size() / formats._plain_bytes(layer))
     assert len({round(r["mkl"], 6) for r in size.values()}) > 1, size  # the shapes pad differently
+
+
+def test_a_model_that_fits_the_cache_is_timed_from_it(routed, monkeypatch):
+    # its forwards read it from the cache, so the probe does too (and a tiny model's probe stays fast)
+    flushes = []
+
+    class Recorded(formats.CacheFlush):
+        def __call__(self):
+            flushes.append(1)
+            super().__call__()
+
+    monkeypatch.setattr(formats, "CacheFlush", Recorded)
+    monkeypatch.setattr(formats, "REPEATS", 1)
+    model_bytes = sum(map(formats._plain_bytes, routed_linears(routed)))
+    for cache, flushed in ((model_bytes * 2, False), (model_bytes // 4, True)):
+        flushes.clear()
+        monkeypatch.setattr(formats, "last_level_cache", lambda cache=cache: cache)
+        formats._probe(routed, ["plain"], None, [])
+        assert bool(flushes) == flushed, cache
