@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.cpu import formats
-from engine.cpu.kernels import named_routed_linears, route_linears, routed_linears
+from engine.cpu.kernels import linear_bytes, named_routed_linears, route_linears, routed_linears
 from engine.models import tiny_random_model
 
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -91,7 +91,7 @@ def test_a_model_that_fits_the_cache_is_timed_from_it(routed, monkeypatch):
 
     monkeypatch.setattr(formats, "CacheFlush", Recorded)
     monkeypatch.setattr(formats, "REPEATS", 1)
-    model_bytes = sum(map(formats._plain_bytes, routed_linears(routed)))
+    model_bytes = linear_bytes(routed)
     for cache, flushed in ((model_bytes * 2, False), (model_bytes // 4, True)):
         flushes.clear()
         monkeypatch.setattr(formats, "last_level_cache", lambda cache=cache: cache)

@@ -38,7 +38,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.core.steps import LADDER
 from engine.cpu.kernels import (INT4_GROUP, PATHS, QUANTISED, RoutedLinear, drop_format, format_unavailable,
-                                named_routed_linears, routed_linears, router_of, tensor_bytes, tied_weights)
+                                linear_bytes, named_routed_linears, routed_linears, router_of, tensor_bytes,
+                                tied_weights)
 from engine.cpu.memory import available_memory, grown
 from engine.measure.costs import ModelCosts, machine, model_identity, read_cached, table_file, write_json
 from engine.measure.ladder import climb, interpolate
@@ -299,7 +300,7 @@ def _probe(model, paths: list[str], compute_dtype, notes: list[str]):
                     layer.add(path, compute_dtype)
         size = {g: {p: _bytes_ratio(layers, p) for p in takes[g]} for g, layers in groups.items()}
         # a model whose weights fit the cache is read from it by its forwards, and timed so (no flush)
-        streams = sum(map(_plain_bytes, routed_linears(model))) > last_level_cache()
+        streams = linear_bytes(model) > last_level_cache()
         seconds = {g: time_formats(layers, takes[g], streams=streams) for g, layers in groups.items()}
     finally:
         for layer in probed:
