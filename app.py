@@ -16,7 +16,6 @@ import argparse
 import logging
 import os
 
-from treeviz.page.ui import build_demo, launch_kwargs
 from treeviz.serving.pairs import GPU_PRESET
 from treeviz.serving.server import SERVER
 
@@ -45,7 +44,12 @@ def main(argv=None):
         SERVER.pairs.pin()  # and serve that pair alone: another could only load on another thread
         if SERVER.pairs.error:
             logging.getLogger("treeviz").error("the start pair did not load: %s", SERVER.pairs.error)
-    demo = build_demo(initial_pair=args.pair, load_on_start=not args.no_preload and not on_zero_gpu())
+    preload = not args.no_preload and not on_zero_gpu()
+    if preload:  # before the page's imports: gradio's seconds of imports overlap the load, the critical path of a
+        SERVER.pairs.request(args.pair)  # warm start (docs/experiments/2026-11-29-warm-start.md)
+    from treeviz.page.ui import build_demo, launch_kwargs  # imported here: once the load is under way
+
+    demo = build_demo(initial_pair=args.pair, load_on_start=preload)
     demo.queue(default_concurrency_limit=4)
     demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from engine.cpu.packages import CapturedModel, Package, install, plan, prepare_c
 from engine.measure.costs import CAPTURED, ModelCosts
 from engine.models import tiny_random_model, tiny_random_pair
 from engine.models.devices import CaptureUnavailable, capture_backend
-from engine.models.loading import calibrate_pair
+from engine.models.loading import calibrate_pair, load_pair
 from engine.recipe import RunSpec, generate
 from engine.strategies import STRATEGIES
 
@@ -185,6 +186,28 @@ def test_loading_a_package_leaves_nothing_unpacked(pair, monkeypatch):
     again.serve_all()
     monkeypatch.setitem(pair.captured, "target", again)  # the runners loaded above, their unpacked folders gone
     assert generate(pair, greedy).output_ids == expected
+
+
+def test_a_package_load_waits_for_the_instruction_set_check_started_ahead(pair, monkeypatch):
+    """load_pair starts inductor's check of the CPU's vector sets beside the load; a package load waits for that
+    check instead of running its own beside it."""
+    from torch._inductor import cpu_vec_isa
+    real_check, real_loader, order = cpu_vec_isa.valid_vec_isa_list, torch._inductor.aoti_load_package, []
+
+    def slow_check():
+        time.sleep(0.5)
+        order.append("check")
+        return real_check()
+
+    monkeypatch.setattr(aoti, "_ISA_CHECK", None)
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", slow_check)
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: order.append("load") or real_loader(path))
+    aoti.check_isa_ahead()
+    again = prepare_model(pair.target, pair.target_name, "target")
+    assert again.packages and order[0] == "check" and "load" in order
+    monkeypatch.setattr(aoti, "_ISA_CHECK", None)
+    tiny = load_pair("tiny-random", "tiny-random", device="cpu", calibrate=False, capture="auto")
+    assert tiny.capture == "aoti" and aoti._ISA_CHECK is not None  # the production load starts it
 
 
 def test_packages_are_keyed_by_the_weights():

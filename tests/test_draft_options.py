@@ -100,6 +100,15 @@ def test_trimmed_draft_proposes_only_its_vocabulary(cache):
     assert q[outside].abs().sum() == 0 and torch.isclose(q.sum(), torch.tensor(1.0))
 
 
+def test_a_tokenizer_s_fingerprint_is_kept_until_its_vocabulary_grows():
+    from engine.models import tiny_tokenizer
+    tok, fresh = tiny_tokenizer(), tiny_tokenizer()
+    first = tokenizer_fingerprint(tok)
+    assert tokenizer_fingerprint(tok) == first == tokenizer_fingerprint(fresh)  # kept, and what a fresh one computes
+    tok.add_tokens(["<an added token>"])
+    assert tokenizer_fingerprint(tok) != first  # the ids now mean more tokens
+
+
 def test_frequency_table_built_from_python_sources_and_cached(cache):
     from engine.models import tiny_tokenizer
     tok = tiny_tokenizer()

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine.cpu import formats, memory
-from engine.cpu.formats import FormatChoice, GroupChoice, plan_memory, weights_budget, weights_ceiling
+from engine.cpu.formats import (FormatChoice, GroupChoice, plan_memory, untouched_by_make_whole, weights_budget,
+                                 weights_ceiling)
 from engine.cpu.kernels import _file_mapped, named_routed_linears, own_plain_weights, route_linears, routed_linears
 from engine.cpu.memory import available_memory, total_memory
 from engine.models import load_model, load_pair, tiny_random_model, tiny_tokenizer
@@ -140,6 +141,20 @@ def test_routed_plain_weights_are_copied_out_of_the_checkpoint_s_pages_bit_for_b
         assert torch.equal(model(ids).logits, before)
 
 
+def test_only_weights_no_format_is_made_from_are_copied_while_the_formats_are_made(tmp_path):
+    """`make_formats` copies these on a second worker while `make_whole` reads the others to make their formats."""
+    model, _, _ = load_model(saved_tiny(tmp_path / "t", tied=False), dtype="fp32", device="cpu")
+    route_linears(model)
+    groups = sorted({m.group for m in routed_linears(model)})
+    made_from = groups[0]
+    seconds = {"plain": {1: 1.0}, "dyn8": {1: 0.5}}
+    choice = FormatChoice({g: GroupChoice(seconds, ["dyn8"] if g == made_from else ["plain"], 100) for g in groups}, {})
+    beside = untouched_by_make_whole(model, choice)
+    assert beside and all(m.group != made_from for m in beside)
+    assert len(beside) == sum(m.group != made_from for m in routed_linears(model))
+    assert untouched_by_make_whole(model, None) == routed_linears(model)  # no probe's choice: make_whole does not run
+
+
 def test_load_pair_leaves_no_routed_plain_weight_on_the_file(tmp_path):
     """The production path: whatever the probe keeps, a plain weight a route reads is the process's own memory."""
     pair = load_pair(saved_tiny(tmp_path / "t", tied=False), None, dtype="fp32", device="cpu", calibrate=False)
@@ -153,9 +168,9 @@ def test_the_builder_s_load_copies_no_weight_out_of_the_file(tmp_path, monkeypat
     from engine.cli import load_request_pair
     from engine.models import loading
     copied = []
-    monkeypatch.setattr(loading, "own_plain_weights", lambda model: copied.append(model) or 0)
+    monkeypatch.setattr(loading, "own_plain_weights", lambda model, layers=None: copied.append(model) or 0)
     folder = saved_tiny(tmp_path / "t", tied=False)
     load_request_pair({"target": folder, "draft": None, "dtype": "float32", "device": "cpu"})
     assert copied == []
-    load_pair(folder, None, dtype="fp32", device="cpu", calibrate=False)  # the app's load does copy
-    assert len(copied) == 1
+    pair = load_pair(folder, None, dtype="fp32", device="cpu", calibrate=False)  # the app's load does copy
+    assert copied and all(model is pair.target for model in copied)

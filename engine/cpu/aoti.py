@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -225,9 +226,31 @@ def build(model, recipe: Recipe, file: Path, weights: list[torch.Tensor]) -> flo
     return time.perf_counter() - start
 
 
+_ISA_CHECK: Future | None = None
+
+
+def check_isa_ahead() -> None:
+    """Start, in a background thread, inductor's check of this CPU's vector instruction sets, which the first package
+    load of every process otherwise waits for: a cached compile, then a child process per set that loads it (~1.5 s
+    of a warm start's critical path on 2 cores: docs/experiments/2026-11-29-warm-start.md). Once per process; the
+    answer is inductor's own (cached in-process), so a package loads as it would have."""
+    global _ISA_CHECK
+    if _ISA_CHECK is None:
+        _ISA_CHECK = ThreadPoolExecutor(1, thread_name_prefix="isa-check").submit(_check_isa)
+
+
+def _check_isa() -> None:
+    from torch._inductor import cpu_vec_isa  # private to inductor: where another torch lacks it, nothing is ahead
+    if callable(getattr(cpu_vec_isa, "valid_vec_isa_list", None)):
+        cpu_vec_isa.valid_vec_isa_list()
+
+
 def load(file: Path, weights: list[torch.Tensor]):
     """The package's runner, bound to the model's `weights` (kernels.format_tensors of its recipe's formats): call
     it as Step.forward without them. Unpacked without leaving a folder behind (engine/runtime.py `load_package`)."""
+    if _ISA_CHECK is not None:
+        _ISA_CHECK.exception()  # waits for a check started ahead (else the load runs its own beside it); a check
+        # that failed fails again, in words, inside the load
     runner = load_package(file)
     return lambda *args: runner(*args, weights)
 

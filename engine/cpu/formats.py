@@ -380,6 +380,13 @@ def make_whole(model, choice: FormatChoice, compute_dtype: torch.dtype | None = 
     router.install([], choice.routing())
 
 
+def untouched_by_make_whole(model, choice: FormatChoice | None) -> list[RoutedLinear]:
+    """The routed linears `make_whole` neither reads nor replaces the weight of: those of groups that keep `plain`
+    alone (every one where no probe chose formats, as `make_whole` then does not run), so another thread may copy
+    their weights while it runs."""
+    return [m for m in routed_linears(model) if choice is None or choice.groups[m.group].kept == ["plain"]]
+
+
 # -- quantised formats on disk ------------------------------------------------------------------------------------------
 
 def stored_file(model) -> Path | None:

@@ -485,14 +485,14 @@ def page_out(tensor: torch.Tensor) -> None:
         pass
 
 
-def own_plain_weights(model: nn.Module) -> int:
-    """Copy each routed plain weight that is still a view of the checkpoint's file into this process's own memory, one
-    weight at a time, unmapping the file's pages after; returns the bytes copied. The float32 default target's one-row
-    step ran 8-13 % faster on its own copies than on the file's pages, interleaved on one machine
-    (docs/experiments/2026-11-29-room-for-ar.md). The memory plan already counts every kept plain weight as resident;
-    the file's pages stay in the page cache, reclaimable, for the next start."""
+def own_plain_weights(model: nn.Module, layers: list[RoutedLinear] | None = None) -> int:
+    """Copy each routed plain weight (of `layers`, default all) that is still a view of the checkpoint's file into this
+    process's own memory, one weight at a time, unmapping the file's pages after; returns the bytes copied. The
+    float32 default target's one-row step ran 8-13 % faster on its own copies than on the file's pages, interleaved
+    on one machine (docs/experiments/2026-11-29-room-for-ar.md). The memory plan already counts every kept plain
+    weight as resident; the file's pages stay in the page cache, reclaimable, for the next start."""
     copied, seen = 0, set()
-    for layer in routed_linears(model):
+    for layer in routed_linears(model) if layers is None else layers:
         weight = layer.weight
         if "plain" not in layer.paths or weight.device.type != "cpu" or id(weight) in seen:
             continue

@@ -29,7 +29,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerBase
 
 from engine.core.attention import use_tree_sdpa
-from engine.cpu.formats import choose_formats, drop_unrouted, make_whole, plan_memory, weights_budget
+from engine.cpu.aoti import check_isa_ahead
+from engine.cpu.formats import (choose_formats, drop_unrouted, make_whole, plan_memory, untouched_by_make_whole,
+                                weights_budget)
 from engine.cpu.fusion import fuse_projections
 from engine.cpu.kernels import (MODES, PACKED, QUANTISED, PackingError, check_quant_mode, format_unavailable,
                                 linear_bytes, own_plain_weights, packed_dtype, return_freed_memory, route_linears,
@@ -246,6 +248,8 @@ def load_pair(target: str, draft: str | None, *, dtype: torch.dtype | str = "aut
     t0 = time.perf_counter()
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    if capture_backend(capture, device) == "aoti":
+        check_isa_ahead()  # what the first package load would wait for, done beside the load
     if draft is not None and str(draft).strip().lower() in ("", "none"):
         draft = None
     # The target usually dominates: give it most of the bar.
@@ -320,19 +324,30 @@ def prepare_kernels(pair: ModelPair, packed: str = "auto", draft_vocab: int | st
                                    f"({pair.formats[role].disturbed}): used for this start, probed again at the next")
     loaded = sum(linear_bytes(model) for _, model, _ in pair.models())
     pair.memory_notes = plan_memory(list(pair.formats.values()), weights_budget(loaded))
-    made = [(role, model) for role, model, _ in pair.models() if role in pair.formats]
-    # Both models at once: this is first touches of the checkpoints' pages, reorders and quantisations, which overlap
-    # (docs/experiments/2026-11-28-first-start-float32.md).
-    with ThreadPoolExecutor(max(len(made), 1), thread_name_prefix="formats") as pool:
-        making = [pool.submit(make_whole, model, pair.formats[role], compute) for role, model in made]
-    for (role, model), done in zip(made, making):
-        done.result()  # a PackingError raised in its thread is raised here
-        say(progress, 1.0, f"{role} weights: {router_of(model).describe()}")
-    for _, model, _ in pair.models() if own_weights else ():
-        own_plain_weights(model)  # routed plain weights stream faster from the process's memory than from the file
+    make_formats(pair, compute, own_weights, progress)
     kept = [p for choice in pair.formats.values() for p in choice.kept]
     pair.packed = any(p in PACKED for p in kept)
     pair.draft_quant = quant if pair.draft is not None else "none"  # asked for; what was kept: pair.formats
+
+
+def make_formats(pair: ModelPair, compute: torch.dtype | None, own_weights: bool, progress: Progress | None) -> None:
+    """Make each model's kept formats whole, both models at once (first touches of the checkpoints' pages, reorders
+    and quantisations overlap: docs/experiments/2026-11-28-first-start-float32.md), and where `own_weights`, copy the
+    routed plain weights into this process's memory (`own_plain_weights`: they stream faster), a task per weight on
+    the same two workers: a weight no format is made from is copied beside the making, the rest after it. On a warm
+    start the copy was 5 s of the critical path, after the making (docs/experiments/2026-11-29-warm-start.md)."""
+    made = [(role, model) for role, model, _ in pair.models() if role in pair.formats]
+    with ThreadPoolExecutor(2, thread_name_prefix="formats") as pool:
+        making = [pool.submit(make_whole, model, pair.formats[role], compute) for role, model in made]
+        copying = [pool.submit(own_plain_weights, model, [layer]) for role, model, _ in pair.models() if own_weights
+                   for layer in untouched_by_make_whole(model, pair.formats.get(role))]
+    for (role, model), done in zip(made, making):
+        done.result()  # a PackingError raised in its thread is raised here
+        say(progress, 1.0, f"{role} weights: {router_of(model).describe()}")
+    for done in copying:
+        done.result()
+    for _, model, _ in pair.models() if own_weights else ():
+        own_plain_weights(model)  # the rest: weights a format was made from
 
 
 def candidate_formats(packed: str, quant: str, device, dtype) -> list[str]:
