@@ -106,7 +106,7 @@ def parse_draft_vocab(value) -> int | str | None:
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """Identifies a vocabulary: ids mean the same tokens iff the fingerprints are equal. Kept on the tokenizer for
-    its vocabulary's size (adding tokens grows it): a load asks twice, and each took ~0.6 s for 151,665 tokens."""
+    its vocabulary's size (adding tokens grows it): a load asks twice (docs/experiments/2026-11-29-warm-start.md)."""
     kept = getattr(tokenizer, "treeviz_fingerprint", None)
     if kept is not None and kept[0] == len(tokenizer):
         return kept[1]
