@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +131,19 @@ def test_compiled_layer_equals_the_eager_fused_step():
     torch._dynamo.reset()
     got = fused_run(model, compiled=True)
     assert_as_accurate(got, reference, exact, reduction=model.config.intermediate_size)
+
+
+def test_the_compiled_layer_stays_inside_its_buffers():
+    """The compiled layer as a fresh process first meets it (compiled from the first forward, no eager run before it
+    to lay out the heap): every logit finite and the process ends cleanly. With the mask repeated per query group,
+    inductor's C++ code on a CPU wrote outside its buffers here: an abort in every such run, NaN under emulated AVX2."""
+    code = ("import torch\nfrom test_fused import family_model, fused_run\n"
+            "got = fused_run(family_model('qwen2'), compiled=True)\n"
+            "print('finite' if all(bool(torch.isfinite(g).all()) for g in got) else 'not finite')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1:] == ["finite"], done.stdout[-2000:]
 
 
 # ---- every strategy through the decoder on the fused step ----------------------------------------------------------

@@ -116,7 +116,10 @@ def layer_forward(x, cos, sin, mask, rows, keys, values, qkv, qkv_bias, o, gate_
     groups = heads // kv_heads
     # query head kv * groups + j, row i -> row j * n + i of key/value head kv: each cached head read once
     folded = q.view(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, head_dim)
-    scores = torch.matmul(folded, keys[0].transpose(1, 2)).to(mask.dtype) * scale + mask.repeat(groups, 1)
+    scores = torch.matmul(folded, keys[0].transpose(1, 2)).to(mask.dtype) * scale
+    # the mask broadcast over the groups, never repeated: inductor's C++ code for the repeat, with dynamic shapes,
+    # wrote outside its buffers (docs/experiments/2026-11-29-inductor-heap.md)
+    scores = (scores.view(kv_heads, groups, n, -1) + mask).view(kv_heads, groups * n, -1)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values[0])  # [kv_heads, groups * n, D]
     out = out.view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(n, heads * head_dim)
