@@ -116,10 +116,7 @@ def layer_forward(x, cos, sin, mask, rows, keys, values, qkv, qkv_bias, o, gate_
     groups = heads // kv_heads
     # query head kv * groups + j, row i -> row j * n + i of key/value head kv: each cached head read once
     folded = q.view(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, head_dim)
-    scores = torch.matmul(folded, keys[0].transpose(1, 2)).to(mask.dtype) * scale
-    # the mask broadcast over the groups, never repeated: inductor's C++ code for the repeat, with dynamic shapes,
-    # wrote outside its buffers (docs/experiments/2026-11-29-inductor-heap.md)
-    scores = (scores.view(kv_heads, groups, n, -1) + mask).view(kv_heads, groups * n, -1)
+    scores = torch.matmul(folded, keys[0].transpose(1, 2)).to(mask.dtype) * scale + mask.repeat(groups, 1)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values[0])  # [kv_heads, groups * n, D]
     out = out.view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(n, heads * head_dim)
@@ -151,7 +148,11 @@ class FusedStep:
         self.calls = 0  # forwards run through this step (a graph replay runs none: it counts its capture's calls)
         if compiled:  # one entry per model shape and dtype (1 row and n rows apart): more than dynamo's default 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.layer = torch.compile(layer_forward, dynamic=True, fullgraph=True) if compiled else layer_forward
+        # scalar C++ on a CPU: inductor's vectorised C++ for this layer wrote outside its buffers
+        # (docs/experiments/2026-11-29-inductor-heap.md); a CPU compiles it only in tests, never to serve
+        options = {"cpp.simdlen": 1} if next(model.parameters()).device.type == "cpu" else None
+        self.layer = (torch.compile(layer_forward, dynamic=True, fullgraph=True, options=options) if compiled
+                      else layer_forward)
 
     def run_layer(self, *args):
         """One layer, compiled where asked; a compile that fails (no Triton, an unsupported GPU) falls back to the
