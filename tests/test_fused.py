@@ -136,7 +136,8 @@ def test_compiled_layer_equals_the_eager_fused_step():
 def test_the_compiled_layer_stays_inside_its_buffers():
     """The compiled layer as a fresh process first meets it (compiled from the first forward, no eager run before it
     to lay out the heap): every logit finite and the process ends cleanly. Compiled to vectorised C++ (inductor on
-    a CPU), the layer wrote outside its buffers here: an abort in every such run, NaN under emulated AVX2."""
+    a CPU), the layer wrote outside its buffers: here an abort in every native run; NaN under emulated AVX2 after an
+    eager run (test_compiled_layer_equals_the_eager_fused_step)."""
     code = ("import torch\nfrom test_fused import family_model, fused_run\n"
             "got = fused_run(family_model('qwen2'), compiled=True)\n"
             "print('finite' if all(bool(torch.isfinite(g).all()) for g in got) else 'not finite')\n")
