@@ -16,9 +16,10 @@ import torch
 
 from engine.cpu.formats import choose_formats, make_whole
 from engine.cpu.fusion import fuse_projections
-from engine.cpu.kernels import route_linears, step_bytes
+from engine.cpu.kernels import packed_dtype, route_linears, step_bytes
 from engine.measure.costs import PREFIX, filled_cache, machine_bandwidth, probe_ids, timed_forward
 from engine.models import load_model
+from engine.models.devices import cpu_has_fast_bf16, resolve_dtype
 from engine.models.loading import candidate_formats
 from engine.models.vocab import auto_draft_vocab, draft_vocab_ids, trim_head
 
@@ -26,9 +27,10 @@ ROWS = (1, 4, 8)
 
 
 def app_draft():
-    """(model, tokenizer, name), in load_model's order: the default draft with the app's trimmed head, before any
-    format is made."""
-    model, tokenizer, name = load_model("default-draft", dtype="fp32", device="cpu", role="draft")
+    """(model, tokenizer, name), in load_model's order: the default draft in the app's dtype on this CPU (`auto`:
+    bf16 where it has native bf16, else float32) with the app's trimmed head, before any format is made."""
+    dtype = resolve_dtype("auto", torch.device("cpu"))
+    model, tokenizer, name = load_model("default-draft", dtype=dtype, device="cpu", role="draft")
     vocab = auto_draft_vocab(tokenizer, model.get_output_embeddings().out_features)
     if vocab:
         trim_head(model, draft_vocab_ids(tokenizer, vocab, [*tokenizer.get_added_vocab().values()]))
@@ -37,9 +39,10 @@ def app_draft():
 
 def with_formats(model, name: str):
     route_linears(model)
-    candidates = candidate_formats("auto", "auto", torch.device("cpu"), torch.float32)
-    choice = choose_formats(model, name, candidates, torch.float32)
-    make_whole(model, choice, torch.float32)
+    compute = packed_dtype(model.dtype, cpu_has_fast_bf16())  # as engine/models/loading.py prepare_kernels
+    candidates = candidate_formats("auto", "auto", torch.device("cpu"), model.dtype)
+    choice = choose_formats(model, name, candidates, compute)
+    make_whole(model, choice, compute)
     return choice.summary()
 
 
