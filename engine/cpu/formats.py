@@ -405,15 +405,12 @@ def stored_file(model) -> Path | None:
 
 
 def read_stored(file: Path | None) -> dict[str, torch.Tensor]:
-    """The tensors kept in `file`, or {} (none yet, or unreadable: the formats are then made again), each copied
-    into this process's own memory, aligned as torch's allocator aligns (64 bytes). safetensors maps a tensor at its
-    offset in the file, 8-byte aligned, and torch 2.13's `_weight_int8pack_mm` on bf16 rows reads its weight with
-    aligned vector loads: on an AVX-512-bf16 CPU a mapped int8 weight crashed the process at 4 rows
-    (docs/experiments/2026-12-06-zen4.md)."""
+    """The tensors kept in `file`, as safetensors maps them, or {} (none yet, or unreadable: the formats are then made
+    again)."""
     if file is None or not file.is_file():
         return {}
     try:
-        return {name: tensor.clone() for name, tensor in load_file(file).items()}
+        return load_file(file)
     except Exception:  # noqa: BLE001 - a damaged file costs one remake, never a start
         return {}
 

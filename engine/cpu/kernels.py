@@ -361,7 +361,10 @@ class RoutedLinear(nn.Module):
 
     @torch.no_grad()
     def restore(self, path: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Format `path` from what `stored` returned: the same weights and kernels as `add` makes them."""
+        """Format `path` from what `stored` returned: the same weights and kernels as `add` makes them, in this
+        process's own memory at torch's 64-byte alignment. A file maps a tensor 8-byte aligned, and torch's int8
+        kernel crashed on such a weight at 4 bf16 rows (docs/experiments/2026-12-06-zen4.md); dyn8's prepacking
+        copies anyway."""
         if path == "dyn8":
             self._check_dyn8()
             codes = tensors["codes"]
@@ -370,7 +373,7 @@ class RoutedLinear(nn.Module):
             self._keep_dyn8(*_prepack_dyn8(qweight))
             return
         for name in FORMAT_TENSORS[path]:
-            self.register_buffer(name, tensors[name], persistent=False)
+            self.register_buffer(name, tensors[name].clone(), persistent=False)
         self.paths.add(path)
 
     @torch.no_grad()
