@@ -70,6 +70,27 @@ def test_a_pinned_manager_refuses_other_pairs_in_words():
     assert manager.held("tiny-random") is not None and manager.status().loading is False
 
 
+def test_a_precision_rides_in_the_pair_name_and_loads_that_dtype():
+    """"tiny-random (fp32)" loads the pair in float32 on every CPU class; auto is the engine's own choice."""
+    from treeviz.serving.pairs import auto_dtype_name, split_precision, with_precision
+    assert split_precision("default (fp32)") == ("default", "fp32")
+    assert split_precision(" a/b + c/d (fp32) ") == ("a/b + c/d", "fp32")
+    assert split_precision("default") == ("default", "auto")
+    assert with_precision("default (fp32)", "auto") == "default"
+    fp32_is_auto = auto_dtype_name() == "float32"
+    assert with_precision("default", "fp32") == ("default" if fp32_is_auto else "default (fp32)")
+    with pytest.raises(UserError, match="precision must be one of auto, fp32"):
+        with_precision("default", "int3")
+    manager = PairManager(capture="off")
+    manager.load("tiny-random (fp32)")
+    assert str(manager.held("tiny-random (fp32)").dtype) == "torch.float32"
+    manager.load("tiny-random")
+    assert str(manager.held("tiny-random").dtype) == f"torch.{auto_dtype_name()}"
+    manager.pin()
+    with pytest.raises(UserError, match="serves only the model pair it loaded at start"):
+        manager.request("tiny-random (fp32)")  # ZeroGPU: another precision is another load, refused in words
+
+
 def test_each_request_asks_for_its_tokens_at_the_stated_cost(monkeypatch):
     """10 s + 1.5 x 2 steps x 40 ms per token decoded (no table applies to an eager pair), spaces' factor on top."""
     monkeypatch.setattr(gpu, "duration_factor", lambda: 1.0)

@@ -383,6 +383,26 @@ def test_a_slow_pair_load_does_not_block_a_quick_pair(monkeypatch):
     assert "fake: not today" in str(info.value)
 
 
+def test_the_precision_switch_serves_the_pair_in_float32_and_runs_equal_ar(client):
+    """/on_precision folds the switch into the pair's name; a run on it is float32 and equals AR token for token;
+    /on_pair keeps a precision the name says, and auto brings the pair's own name back."""
+    from treeviz.serving.pairs import with_precision
+    exact = with_precision("tiny-random", "fp32")  # its own name where this CPU's auto is already fp32
+    served, status = client.predict("tiny-random", "fp32", api_name="/on_precision")
+    assert served == exact and "Traceback" not in status
+    out = client.predict("def fib(n):\n", False, served, "dynatree", "cpu", 16, api_name="/run")
+    trace = json.loads(Path(out[DOWNLOAD]).read_text())
+    assert trace["config"]["dtype"] == "float32" and "float32 on" in out[STATUS]
+    assert trace["comparison"]["exact_match"] is True
+    assert backend().pairs.loaded_name == exact
+    pair, precision, _ = client.predict("tiny-random (fp32)", "auto", api_name="/on_pair")  # the name says fp32
+    assert (pair, precision) == (exact, "fp32")
+    pair, _ = client.predict(exact, "auto", api_name="/on_precision")
+    assert pair == "tiny-random"
+    out = client.predict("def fib(n):\n", False, pair, "dynatree", "cpu", 4, api_name="/run")
+    assert backend().pairs.loaded_name == "tiny-random"
+
+
 def test_only_compatible_rules_are_offered():
     iid = verifier_choices("delayed")  # i.i.d. branches: no chain-only rules
     assert {"auto", "specinfer", "spectr", "khisti", "traversal"} <= set(iid)

@@ -184,3 +184,27 @@ def test_run_and_scrub_in_a_real_browser(tmp_path):
         assert "×" in metrics
         page.screenshot(path=str(shots / "06_compare.png"), full_page=True)
         assert not errors, errors
+
+
+def test_the_precision_switch_in_a_real_browser(tmp_path):
+    """Clicking fp32 loads the pair in float32 (under its own name where this CPU's auto is bf16), and the next run
+    says float32 and equals AR token for token; auto brings the pair back."""
+    from treeviz.serving.pairs import with_precision
+    exact = with_precision("tiny-random", "fp32")  # "tiny-random (fp32)", or "tiny-random" where auto is fp32
+    with app_page(tmp_path) as (page, shots, errors):
+        page.wait_for_selector(POINTS, timeout=60_000)
+        page.locator("#tv-precision label", has_text="fp32").click()
+        page.wait_for_function(f"document.querySelector('#tv-pair input').value === {json.dumps(exact)}",
+                               timeout=30_000)
+        page.wait_for_function("document.querySelector('#tv-model-status').innerText.includes('dtype: float32')",
+                               timeout=90_000)
+        page.locator("#tv-prompt textarea").fill("def greet(name):\n")
+        page.click("#tv-run")
+        page.wait_for_function(
+            "document.querySelector('#tv-run-status').innerText.includes('float32 on')", timeout=90_000)
+        page.wait_for_function("document.querySelector('#tv-badge').innerText.includes('matches AR')",
+                               timeout=60_000)
+        page.screenshot(path=str(shots / "precision_fp32.png"), full_page=False)
+        page.locator("#tv-precision label", has_text="auto").click()
+        page.wait_for_function("document.querySelector('#tv-pair input').value === 'tiny-random'", timeout=30_000)
+        assert not errors, errors

@@ -123,7 +123,7 @@ def output_match_html(comparison: Comparison, sampled: bool, dtype: str = "") ->
     if dtype in ("bfloat16", "float16"):
         short = "bf16" if dtype == "bfloat16" else "fp16"
         rounding = (f"<br><span class='tv-ar-rounding'>{short}: a near-tie rounded apart by kernels of different row "
-                    "counts, not a lossy rule; fp32 is the exact mode</span>")
+                    "counts, not a lossy rule; fp32 (the Precision switch) is the exact mode</span>")
     return (f"<span class='tv-badge tv-bad'>✗ output differs from AR from token {first}{html.escape(extra)}"
             f"{rounding}</span>")
 

@@ -33,6 +33,7 @@ class Page:
     stop_btn: gr.Button | None = None
     compare_btn: gr.Button | None = None
     pair: gr.Dropdown | None = None
+    precision: gr.Radio | None = None           # auto | fp32: folded into the pair's name ("default (fp32)")
     strategy: gr.Dropdown | None = None
     summary: gr.Markdown | None = None
     max_new_tokens: gr.Slider | None = None

@@ -2,7 +2,8 @@
 events; the handlers that touch models live in treeviz/page/handlers.py, the views in treeviz/page/views.py, the page's
 Markdown, CSS and JavaScript in treeviz/page/static/.
 
-API (gradio_client): /run takes prompt, chat, pair, strategy, preset, max_new_tokens, temperature, top_p, top_k,
+API (gradio_client): /run takes prompt, chat, pair (a name ending in " (fp32)" serves it in float32, the exact
+mode: the Precision switch), strategy, preset, max_new_tokens, temperature, top_p, top_k,
 seed, verifier, params (a dict of the strategy's parameters by name), stage_mode; /compare takes the same plus
 methods and stage_mode; /stop, /scrub, /inspect (a node of the shown iteration), /upload, /gallery. The teaching
 tabs (treeviz/page/teaching_ui.py): /race takes prompt, chat, pair, strategies, max_new_tokens, temperature, top_p,
@@ -28,7 +29,8 @@ from treeviz.page.components import RUN_RENAMED, SHOWN, Page
 from treeviz.page.controls import ParamControls, verifier_options
 from treeviz.page.replay import gallery_label, gallery_traces, replay
 from treeviz.page.views import RUN_OUTPUTS, VIEW_NAMES, render_views, status_html
-from treeviz.serving.pairs import pair_choices
+from treeviz.serving.errors import UserError
+from treeviz.serving.pairs import PRECISIONS, auto_dtype_name, pair_choices, split_precision, with_precision
 from treeviz.serving.server import SERVER
 
 log = logging.getLogger("treeviz")
@@ -84,6 +86,16 @@ def model_status_html() -> str:
     return status_html("no models loaded (press Run to load the selected pair)")
 
 
+def serve(pair: str, precision: str) -> tuple[str, str]:
+    """Ask for `pair` at `precision`: (the name it serves under, the model status line; a refusal in words)."""
+    try:
+        served = with_precision(pair, precision)
+        SERVER.pairs.request(served)
+    except UserError as err:  # e.g. ZeroGPU serves only the pair it loaded at start
+        return pair, status_html(str(err), error=True)
+    return served, model_status_html()
+
+
 # -- layout: one function per section ---------------------------------------------------------------------------
 def _inputs(page: Page, initial_pair: str, examples: list[dict]) -> None:
     traces = gallery_traces()
@@ -103,10 +115,22 @@ def _inputs(page: Page, initial_pair: str, examples: list[dict]) -> None:
     page.pair = gr.Dropdown(pairs if initial_pair in pairs else [initial_pair] + pairs, value=initial_pair,
                             label="Model pair (target + draft)", allow_custom_value=True, elem_id="tv-pair",
                             info="tiny-random plays instantly; hub pairs need network")
+    page.precision = precision_switch(initial_pair)
     page.strategy = gr.Dropdown([(cls.label or s, s) for s, cls in STRATEGIES.items()], value=DEFAULT_STRATEGY,
                                 label="Tree strategy", elem_id="tv-strategy")
     page.summary = gr.Markdown(STRATEGIES[DEFAULT_STRATEGY].summary or "")
     page.max_new_tokens = gr.Slider(1, 512, value=48, step=1, label="max new tokens", elem_id="tv-max-new")
+
+
+def precision_switch(initial_pair: str) -> gr.Radio:
+    """auto (this machine's dtype: bf16 where it has fast bf16) or fp32, the exact mode; hidden on ZeroGPU, where only
+    the pair loaded at start serves. Its value rides in the pair's name, so /run, /race and /sweep take it there."""
+    auto = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(auto_dtype_name(), auto_dtype_name())
+    return gr.Radio([(f"auto ({auto} here)", "auto"), ("fp32: exact", "fp32")],
+                    value=split_precision(initial_pair)[1], label="Precision", elem_id="tv-precision",
+                    visible=SERVER.pairs.pinned is None,
+                    info="fp32 is the exact mode: a run equals AR token for token. bf16 is faster, and parts from AR "
+                         "only where two tokens nearly tie in rounding. Switching loads the pair again.")
 
 
 def _sampling(page: Page) -> None:
@@ -275,10 +299,21 @@ def _wire_controls(page: Page, examples: list[dict]) -> None:
             return gr.update(value=user[-1] if user else ""), gr.update(value=True)
         return gr.update(value=p), gr.update(value=False)
 
-    def on_pair(name):
-        if name:
-            SERVER.pairs.request(str(name))
-        return model_status_html()
+    def on_pair(name, precision):
+        """A pair picked or typed: served at the switch's precision, unless its name says one ("default (fp32)")."""
+        if not name:
+            return gr.skip(), gr.skip(), model_status_html()
+        base, named = split_precision(str(name))
+        precision = named if named != "auto" else precision if precision in PRECISIONS else "auto"
+        served, status = serve(base, precision)
+        return served, precision, status
+
+    def on_precision(pair, precision):
+        """The switch: the pair shown is loaded again at this precision (the one serving serves until then)."""
+        if not pair:
+            return gr.skip(), model_status_html()
+        served, status = serve(str(pair), precision)
+        return served, status
 
     groups = list(page.controls.groups.values())
     page.strategy.change(page.controls.strategy_updates, [page.strategy, page.verifier],
@@ -288,7 +323,10 @@ def _wire_controls(page: Page, examples: list[dict]) -> None:
     page.preset.input(page.controls.preset_updates, [page.strategy, page.preset], page.controls.components,
                       api_name="on_preset")
     page.example.input(on_example, page.example, [page.prompt, page.chat], api_name="on_example")
-    page.pair.input(on_pair, page.pair, page.model_status)
+    page.pair.input(on_pair, [page.pair, page.precision], [page.pair, page.precision, page.model_status],
+                    api_name="on_pair")
+    page.precision.input(on_precision, [page.pair, page.precision], [page.pair, page.model_status],
+                         api_name="on_precision")
     gr.Timer(1.0).tick(model_status_html, None, page.model_status, show_progress="hidden", queue=False,
                        api_visibility="private")
 

@@ -20,6 +20,7 @@ from engine.cpu.builder import EXIT_DECLINED, build_request, start_builder
 from engine.cpu.memory import grown
 from engine.cpu.packages import missing, prepare_capture
 from engine.models import PAIRS, load_pair
+from engine.models.devices import resolve_device, resolve_dtype
 from engine.recipe import AR, RunSpec, split_pair, start_run
 from engine.runtime import cache_dir
 from treeviz.serving.compute_thread import COMPUTE
@@ -50,6 +51,35 @@ def memory_ceiling(total: int | None = None) -> int:
     if "TREEVIZ_MEMORY_GIB" in os.environ:
         return int(float(os.environ["TREEVIZ_MEMORY_GIB"]) * 2**30)
     return grown(int(MEMORY_CEILING_GIB * 2**30), int(BESIDE_APP_GIB * 2**30), total)
+
+
+EXACT_SUFFIX = " (fp32)"  # "default (fp32)": the pair loaded in float32, the exact mode (docs/rules.md)
+PRECISIONS = ("auto", "fp32")  # the page's switch: auto is the engine's dtype for this machine (bf16 where fast)
+
+
+def split_precision(name: str) -> tuple[str, str]:
+    """A served pair name -> (pair name, precision): "default (fp32)" -> ("default", "fp32"); else (name, "auto").
+    Why a name: the AR cache, the run lock's pair and every record key on it, so two precisions never mix."""
+    name = str(name).strip()
+    if name.endswith(EXACT_SUFFIX):
+        return name.removesuffix(EXACT_SUFFIX).strip(), "fp32"
+    return name, "auto"
+
+
+def with_precision(name: str, precision: str) -> str:
+    """The name `name` serves under at `precision` ("auto" | "fp32"). Where auto already is float32 (a CPU without
+    fast bf16) fp32 is the pair's own name: one load, not two of the same weights."""
+    base, _ = split_precision(name)
+    if precision not in PRECISIONS:
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    if precision == "auto" or auto_dtype_name() == "float32":
+        return base
+    return base + EXACT_SUFFIX
+
+
+def auto_dtype_name() -> str:
+    """"bfloat16", "float32", ...: the dtype "auto" loads pairs in on this machine (engine/models/devices.py)."""
+    return str(resolve_dtype("auto", resolve_device("auto"))).removeprefix("torch.")
 
 
 def pair_choices(manager: "PairManager | None" = None) -> list[str]:
@@ -196,7 +226,8 @@ class PairManager:
                 if gen == self._generation:
                     self.progress = (max(0.0, min(1.0, float(fraction or 0.0))), str(message or ""))
 
-        target, draft = split_pair(name)
+        base, precision = split_precision(name)
+        target, draft = split_pair(base)
         # On ZeroGPU nothing may run on the GPU outside spaces.GPU: no cost calibration and no warm-up here; CUDA graphs
         # are captured inside each worker at its run's first forwards (0.1-0.2 s per model on an H200, where a graphed
         # one-row step is 5-10x cheaper than an eager one: docs/experiments/gpu-2026-11-27/), so they pay every request.
@@ -206,7 +237,7 @@ class PairManager:
         # draft's head to its frequent tokens where a frequency table exists (engine/models/vocab.py).
         # capture="auto": on a CPU, each model's forwards compiled ahead of time (engine/cpu/packages.py), once per
         # machine; until they exist, runs decode eagerly and the packages are built in another process.
-        pair = load_pair(target, draft, device=device, progress=progress, calibrate=not zero_gpu,
+        pair = load_pair(target, draft, dtype=precision, device=device, progress=progress, calibrate=not zero_gpu,
                          draft_quant="auto", draft_vocab="auto", capture=zero_gpu_capture(device) if zero_gpu else self.capture_mode)
         todo = missing(pair)
         if pair.capture == "aoti" and not todo:  # built on an earlier start: load them now, before any run
