@@ -377,9 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "compare them on the same prompts)")
     b.add_argument("--compiled-ar", default="auto", choices=("auto", "on", "off"),
                    help="also run AR through torch.compile (ar-compiled) and divide speedups by the faster AR; "
-                        "auto: where the captured one-row step may not be AR at its fastest (there is none, or the "
-                        "memory plan dropped a faster one-row format of the target, whose plain weights are then "
-                        "mapped back from its checkpoint) and inductor can build it; compiling takes minutes once")
+                        "auto: wherever inductor can build it in the memory free (the target's plain weights mapped "
+                        "back from its checkpoint where the memory plan freed them); compiling takes minutes once")
     b.add_argument("--prompt-set", default="all",
                    help="code | chat | prose | all (the three) | grounded (answers found in the prompt: lookup's)")
     b.add_argument("--max-new-tokens", type=int, default=96)

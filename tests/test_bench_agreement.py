@@ -43,8 +43,8 @@ def test_the_badge_says_what_a_bf16_difference_is():
     differs = Comparison(exact_match=False, first_divergence=7, compared_tokens=48, reference_margin=0.06)
     bf16 = badge_html(differs, dtype="bfloat16")
     assert "differs from AR from token 7" in bf16
-    assert "bf16: a near-tie rounded apart by kernels of different row counts, not a lossy rule; fp32 is the exact " \
-           "mode" in bf16
+    assert "bf16: a near-tie rounded apart by kernels of different row counts, not a lossy rule; fp32 (the Precision " \
+           "switch) is the exact mode" in bf16
     assert "fp16: a near-tie" in output_match_html(differs, False, "float16")
     assert "near-tie rounded" not in badge_html(differs, dtype="float32")
     assert "near-tie rounded" not in badge_html(differs)  # a trace that does not say its dtype

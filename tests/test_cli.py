@@ -47,8 +47,8 @@ def test_compare_ar_warms_up_and_interleaves(monkeypatch, capsys):
 
 def test_bench_prints_table_and_json(tmp_path, capsys):
     """The default bench on a CPU with a C++ compiler: captured steps (built once per machine), every AR beside the
-    methods (the engine's loop on them, the same loop eager, the captured one-row step in a bare loop), in fp32
-    exactly AR's tokens, and every speedup divided by the fastest AR."""
+    methods (the engine's loop on them, the same loop eager, the captured one-row step in a bare loop, AR through
+    torch.compile), in fp32 exactly AR's tokens, and every speedup divided by the fastest AR."""
     out = tmp_path / "bench.json"
     code = main(["bench", "--pair", "tiny-random", "--dtype", "fp32", "--strategies",
                  "ar,linear,dynatree,dynatree/eager,hf-assisted", "--prompt-set", "code", "--limit", "2",
@@ -59,11 +59,12 @@ def test_bench_prints_table_and_json(tmp_path, capsys):
     assert "speedup = tok/s ÷ the faster AR on the set: code ar" in table
     report = json.loads(out.read_text())
     rows = {r["method"]: r for r in report["rows"]}
-    assert set(rows) == {"ar", "ar-eager", "ar-captured", "linear", "dynatree", "dynatree/eager", "hf-assisted"}
+    assert set(rows) == {"ar", "ar-eager", "ar-captured", "ar-compiled", "linear", "dynatree", "dynatree/eager",
+                         "hf-assisted"}
     assert all(r["exact_match_rate"] == 1.0 for r in rows.values())
     assert rows["ar-captured"]["tpot_s"] > 0 and rows["ar-captured"]["ttft_s"] > 0
     assert report["config"]["preset"] == "auto"  # the default: sizes from this machine's measured costs
-    ars = ("ar", "ar-eager", "ar-captured")
+    ars = ("ar", "ar-eager", "ar-captured", "ar-compiled")
     baseline = rows["ar"]["baseline"]
     assert baseline in ars and rows[baseline]["speedup"] == 1.0 and max(rows[a]["speedup"] for a in ars) == 1.0
     for r in rows.values():

@@ -97,9 +97,8 @@ def test_a_24_gib_machine_keeps_one_row_ar_s_plain_weights_and_a_16_gib_one_drop
         plan_memory([choice], weights_budget(loaded_bytes=sum(g.plain_bytes for g in choice.groups.values())))
         if total == 24 * GIB:
             assert all(g.kept == ["mkl", "plain"] for g in choice.groups.values()), choice.summary()
-            assert choice.dropped_one_row() == {}
-        else:
-            assert choice.dropped_one_row(), choice.summary()  # AR runs the trees' format somewhere
+        else:  # one-row AR runs the trees' format where plain was dropped
+            assert any("plain" not in g.kept for g in choice.groups.values()), choice.summary()
 
 
 def test_the_app_s_ceiling_grows_with_the_weights_plan_and_leaves_its_builder_room(monkeypatch):

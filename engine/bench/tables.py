@@ -11,8 +11,9 @@ method with them off, so captured and eager compare on the same prompts. The ARs
 steps), `ar-eager` (the same loop, eager: beside it wherever the pair has captured steps), `ar-captured` (the
 target's one-row captured step in a bare loop, engine/bench/captured_ar.py: wherever it exists) and `ar-compiled` (AR
 through torch.compile, engine/bench/compiled.py: an independent build of the one-row step on the target's plain
-weights, with `compiled_ar` "on", or "auto" wherever the captured one-row step may not be AR at its fastest: there is
-none, or the memory plan dropped a format the probe timed faster at one row, which AR alone would keep).
+weights, with `compiled_ar` "on", or "auto" wherever torch.compile can build it in the memory free: a captured
+one-row step is no proof of AR at its fastest: on a Zen 4, torch.compile's AR ran 1.4-1.9x the engine's, whose
+captured step was no faster: docs/experiments/2026-12-06-zen4.md).
 Throughput per method and prompt set = new tokens / wall time summed over prompts and repeats; speedup divides by
 the fastest AR's throughput on the same prompts (every AR is decoded on each prompt right before the other methods,
 so drift of the machine cancels). Quality metrics (L-bar, l-bar, acceptance) average over iterations. Agreement
@@ -186,12 +187,12 @@ def bench(pair: ModelPair, methods: list[str], prompt_set: str = "all", max_new_
 
 def compiled_baseline(pair: ModelPair, methods: list[str], mode: str, sets: list[str], limit: int | None,
                       max_new_tokens: int, log: Callable[[str], None]) -> CompiledAR | None:
-    """The ar-compiled baseline, compiled before any timing, or None. "auto" adds it wherever the captured one-row
-    step may not be AR at its fastest (`captured_ar_not_fastest`); the target's plain weights, where the memory plan
-    freed them, are mapped back from its checkpoint for it."""
+    """The ar-compiled baseline, compiled before any timing, or None. "auto" adds it wherever torch.compile can
+    build it in the memory free (else says why not); the target's plain weights, where the memory plan freed them,
+    are mapped back from its checkpoint for it."""
     if mode not in COMPILED_AR_MODES:
         raise ValueError(f"compiled_ar must be one of {', '.join(COMPILED_AR_MODES)}, got {mode!r}")
-    if AR_COMPILED not in methods and (mode == "off" or mode == "auto" and not captured_ar_not_fastest(pair)):
+    if AR_COMPILED not in methods and mode == "off":
         return None
     prompts = [encode_prompt(pair.tokenizer, e["prompt"]) for name in sets for e in load_prompt_set(name)[:limit]]
     totals = [len(ids) + max_new_tokens for ids in prompts]
@@ -215,13 +216,6 @@ def compiled_baseline(pair: ModelPair, methods: list[str], mode: str, sets: list
     log(f"compiling the ar-compiled baseline for static caches of {sizes} positions (torch.compile, max-autotune)...")
     log(f"  compiled in {compiled.warm_up(prompts[0], totals):.0f} s")
     return compiled
-
-
-def captured_ar_not_fastest(pair: ModelPair) -> bool:
-    """Whether AR may run faster than the pair's captured one-row step: there is none, or the memory plan dropped a
-    format the probe timed faster at one row for some target weight (the captured step runs the trees' formats)."""
-    choice = pair.formats.get("target")
-    return not has_captured_step(pair) or bool(choice is not None and choice.dropped_one_row())
 
 
 def _cache_step(pair: ModelPair, totals: list[int], mapped: bool = False) -> int:

@@ -80,14 +80,6 @@ class GroupChoice:
         one = min(self.kept, key=lambda p: self.time(p, 1))
         return [one] + [self.kept[0]] * (top - 1)
 
-    def dropped_one_row(self) -> str | None:
-        """The format the probe timed fastest at one row, where the memory plan dropped it (it beat every kept one
-        there by more than SHARE): one-row AR, alone, would have run it."""
-        best = min(self.seconds, key=lambda p: (self.time(p, 1), PATHS.index(p)))
-        if best in self.kept or self.time(best, 1) * SHARE >= min(self.time(p, 1) for p in self.kept):
-            return None
-        return best
-
     def loss_without(self, path: str) -> float:
         """Weighted probe seconds lost per call if `path` left the kept formats (infinity if it is the only one)."""
         rest = [p for p in self.kept if p != path]
@@ -124,10 +116,6 @@ class FormatChoice:
 
     def routing(self) -> dict[str, list[str]]:
         return {group: g.routing() for group, g in self.groups.items()}
-
-    def dropped_one_row(self) -> dict[str, str]:
-        """Group -> the fastest one-row format the memory plan dropped there (`GroupChoice.dropped_one_row`)."""
-        return {group: path for group, g in self.groups.items() if (path := g.dropped_one_row())}
 
     def summary(self) -> str:
         """Per group: the kept formats and the probe's ratio of each to the best at one row."""
