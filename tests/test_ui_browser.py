@@ -193,7 +193,7 @@ def test_the_precision_switch_in_a_real_browser(tmp_path):
     exact = with_precision("tiny-random", "fp32")  # "tiny-random (fp32)", or "tiny-random" where auto is fp32
     with app_page(tmp_path) as (page, shots, errors):
         page.wait_for_selector(POINTS, timeout=60_000)
-        page.locator("#tv-precision label", has_text="fp32").click()
+        page.locator("#tv-precision label", has_text="fp32: exact").click()  # "auto (fp32 here)" on a float32 CPU
         page.wait_for_function(f"document.querySelector('#tv-pair input').value === {json.dumps(exact)}",
                                timeout=30_000)
         page.wait_for_function("document.querySelector('#tv-model-status').innerText.includes('dtype: float32')",
@@ -205,6 +205,6 @@ def test_the_precision_switch_in_a_real_browser(tmp_path):
         page.wait_for_function("document.querySelector('#tv-badge').innerText.includes('matches AR')",
                                timeout=60_000)
         page.screenshot(path=str(shots / "precision_fp32.png"), full_page=False)
-        page.locator("#tv-precision label", has_text="auto").click()
+        page.locator("#tv-precision label", has_text="auto (").click()
         page.wait_for_function("document.querySelector('#tv-pair input').value === 'tiny-random'", timeout=30_000)
         assert not errors, errors
