@@ -92,6 +92,9 @@ def token_legend_html() -> str:
     return f"<div class='tv-legend'>{spans}<span style='outline:2px solid #e74c3c'>selected iteration</span></div>"
 
 
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # torch's names -> the page's words
+
+
 def badge_html(comparison: Comparison | None, sampled: bool = False, dtype: str = "") -> str:
     """Does the output equal AR's, and (when the comparison records it) where AR's figure came from. `dtype` is the
     run's (RunConfig.dtype): in bf16 / fp16 a difference is explained as rounding."""
@@ -121,9 +124,8 @@ def output_match_html(comparison: Comparison, sampled: bool, dtype: str = "") ->
         extra = f"; AR's top-2 logit margin there: {margin:.3f}" + (" (a near-tie)" if margin < 0.5 else "")
     rounding = ""
     if dtype in ("bfloat16", "float16"):
-        short = "bf16" if dtype == "bfloat16" else "fp16"
-        rounding = (f"<br><span class='tv-ar-rounding'>{short}: a near-tie rounded apart by kernels of different row "
-                    "counts, not a lossy rule; fp32 (the Precision switch) is the exact mode</span>")
+        rounding = (f"<br><span class='tv-ar-rounding'>{SHORT_DTYPES[dtype]}: a near-tie rounded apart by kernels "
+                    "of different row counts, not a lossy rule; fp32 (the Precision switch) is the exact mode</span>")
     return (f"<span class='tv-badge tv-bad'>✗ output differs from AR from token {first}{html.escape(extra)}"
             f"{rounding}</span>")
 

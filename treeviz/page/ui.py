@@ -21,7 +21,7 @@ from engine.core.prompts import PROMPT_SETS, load_prompt_set
 from engine.strategies import STRATEGIES
 from engine.verify import VERIFIERS
 from treeviz.figures.charts import calibration_figure, charts_figure, cost_figure, throughput_figure
-from treeviz.figures.html import badge_html, token_legend_html, tokens_html
+from treeviz.figures.html import SHORT_DTYPES, badge_html, token_legend_html, tokens_html
 from treeviz.figures.inspector import inspect, inspector_figure, inspector_html
 from treeviz.figures.tree_figure import tree_figure
 from treeviz.page import handlers, teaching_ui
@@ -125,8 +125,8 @@ def _inputs(page: Page, initial_pair: str, examples: list[dict]) -> None:
 def precision_switch(initial_pair: str) -> gr.Radio:
     """auto (this machine's dtype: bf16 where it has fast bf16) or fp32, the exact mode; hidden on ZeroGPU, where only
     the pair loaded at start serves. Its value rides in the pair's name, so /run, /race and /sweep take it there."""
-    auto = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(auto_dtype_name(), auto_dtype_name())
-    return gr.Radio([(f"auto ({auto} here)", "auto"), ("fp32: exact", "fp32")],
+    auto = auto_dtype_name()
+    return gr.Radio([(f"auto ({SHORT_DTYPES.get(auto, auto)} here)", "auto"), ("fp32: exact", "fp32")],
                     value=split_precision(initial_pair)[1], label="Precision", elem_id="tv-precision",
                     visible=SERVER.pairs.pinned is None,
                     info="fp32 is the exact mode: a run equals AR token for token. bf16 is faster, and parts from AR "
@@ -312,8 +312,7 @@ def _wire_controls(page: Page, examples: list[dict]) -> None:
         """The switch: the pair shown is loaded again at this precision (the one serving serves until then)."""
         if not pair:
             return gr.skip(), model_status_html()
-        served, status = serve(str(pair), precision)
-        return served, status
+        return serve(str(pair), precision)
 
     groups = list(page.controls.groups.values())
     page.strategy.change(page.controls.strategy_updates, [page.strategy, page.verifier],
