@@ -137,6 +137,45 @@ def test_compile_probe_times_a_compiled_tree_forward_that_equals_the_eager_one(t
         assert variant["max_abs_diff"] < 1e-3  # fp32: the compiled forward under the tree mask gives eager's logits
 
 
+def test_compile_probe_dynamic_serves_every_row_count_with_one_graph(tmp_path):
+    """--dynamic: one compiled graph (the row count symbolic) serves 2 and 3 rows, each giving eager's fp32 logits."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "dynamic.json"
+    proc = subprocess.run([sys.executable, "-m", "scripts.lab.compile_probe", "--pair", "tiny-random", "--dtype", "fp32",
+                           "--rows", "2,3", "--dynamic", "--prefix", "16", "--repeats", "1", "--mode", "default",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["graphs"] == 1 and [r["rows"] for r in result["rows"]] == [2, 3]
+    for row in result["rows"]:
+        assert row["eager_ms"] > 0 and row["compiled_ms"] > 0
+        assert row["max_abs_diff"] < 1e-3
+
+
+def test_linear_kernels_probe_compares_onednn_and_inductor_on_one_shape(tmp_path):
+    """Both kernels compute the same fp32 GEMM: their outputs differ by no more than fp32 sums of 32 products of
+    magnitude <= |x|max * |w|max can (a bound from the reduction length, not from one machine's run)."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "linear.json"
+    proc = subprocess.run([sys.executable, "-m", "scripts.lab.linear_kernels", "--shape", "64x32", "--rows", "1,3",
+                           "--copies", "2", "--dtype", "fp32", "--repeats", "2", "--mode", "default",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rows"] for r in rows] == [1, 3]
+    import torch
+    # x ~ N(0,1) and w ~ 0.02 N(0,1) from seed 0: |x| < 6 and |w| < 0.12 for these sizes; two summation orders of 32 products
+    # differ by at most 2 * 32 * eps(fp32) * sum |x w|
+    bound = 2 * 32 * torch.finfo(torch.float32).eps * 32 * 6 * 0.12
+    for r in rows:
+        assert r["onednn_us"] > 0 and r["compiled_us"] > 0 and r["onednn_gbs"] > 0
+        assert r["max_abs_diff"] <= bound
+
+
 def test_rules_bench_script_measures_every_rule(tmp_path):
     import subprocess
     import sys

@@ -22,6 +22,7 @@ Results: docs/experiments/compiled-ar.md.
 
     python -m scripts.lab.compile_probe --pair default --rows 4,8,16
     python -m scripts.lab.compile_probe --pair default --rows 1 --prefix 150 --variants shipped:384,sdpa:640
+    python -m scripts.lab.compile_probe --pair default --rows 2,4,8,16 --dynamic   # one graph for every count
 """
 from __future__ import annotations
 
@@ -120,6 +121,88 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
     return {"rows": rows, "eager_ms": eager_s * 1e3, "variants": results}
 
 
+def probe_dynamic(pair_spec: str, dtype: str, rows_list: list[int], prefix: int, repeats: int, mode: str) -> dict:
+    """{"rows": [{"rows", "eager_ms", "compiled_ms", "max_abs_diff"}], "compile_s"}: ONE compiled graph with the row
+    count dynamic (one frozen copy of the weights serves every count, as one package would) against the engine's
+    eager verification, at each count in `rows_list` (all >= 2: torch specialises a size of 1), taken in turn."""
+    import torch
+    import torch._inductor.config as inductor_config
+    from transformers import StaticCache
+
+    from engine.bench.compiled import round_to_step
+    from engine.core import kv
+    from engine.core.attention import compiled_attention
+    from engine.measure.costs import probe_ids
+    from engine.models import load_pair
+    from engine.runtime import forcing
+
+    if min(rows_list) < 2:
+        raise SystemExit("--dynamic: every row count must be at least 2 (torch specialises a size of 1)")
+    model = load_pair(pair_spec, None, dtype=dtype).target
+    top = max(rows_list)
+    ids = probe_ids(model, prefix + top)
+    cache_len = round_to_step(prefix + top)
+    dynamic = kv.new_cache(model)
+    static = StaticCache(config=model.config, max_cache_len=cache_len)
+    inductor_config.freezing = True
+    step = torch.compile(model, dynamic=None, mode=None if mode == "default" else mode)
+
+    def inputs(rows: int, mask_len: int | None) -> dict:
+        chain = torch.tril(torch.ones(rows, rows, dtype=torch.bool))
+        visible = torch.zeros(rows, mask_len or prefix + rows, dtype=torch.bool)
+        visible[:, : prefix + rows] = kv.tree_visibility(prefix, chain)
+        return {"input_ids": ids[None, prefix:prefix + rows], "position_ids": torch.arange(prefix, prefix + rows)[None],
+                "attention_mask": kv.additive_mask(visible, model.dtype), "use_cache": True}
+
+    def eager(rows: int):
+        new = inputs(rows, None)
+
+        def forward():
+            out = model(**new, past_key_values=dynamic)
+            kv.keep_rows(dynamic, prefix, [])
+            return out
+        return forward
+
+    def compiled(rows: int):
+        new = inputs(rows, cache_len)
+        position = torch.arange(prefix, prefix + rows)
+        for name, dim in (("input_ids", 1), ("position_ids", 1), ("attention_mask", 2)):
+            torch._dynamo.mark_dynamic(new[name], dim, min=2, max=64)
+        torch._dynamo.mark_dynamic(position, 0, min=2, max=64)
+
+        def forward():
+            with forcing(model, "plain"), compiled_attention(model):
+                out = step(**new, past_key_values=static, cache_position=position)
+            for layer in static.layers:  # write the same rows after the same prefix on every call
+                layer.cumulative_length.fill_(prefix)
+            return out
+        return forward
+
+    with torch.inference_mode():
+        model(input_ids=ids[None, :prefix], past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[None, :prefix], cache_position=torch.arange(prefix), past_key_values=static,
+              use_cache=True, logits_to_keep=1)
+        pairs = [(eager(rows), compiled(rows)) for rows in rows_list]
+        start = time.perf_counter()
+        pairs[rows_list.index(top)][1]()  # traced at the largest count: a boundary value would specialise
+        compile_s = time.perf_counter() - start
+        for e, c in pairs:  # warm-up; a recompile here would show as a slow first count
+            e(), c()
+        best = [[float("inf"), float("inf"), None, None] for _ in rows_list]
+        for _ in range(repeats):
+            for slot, (e, c) in zip(best, pairs):
+                for k, forward in enumerate((e, c)):
+                    begin = time.perf_counter()
+                    logits = forward().logits
+                    seconds = time.perf_counter() - begin
+                    if seconds < slot[k]:
+                        slot[k], slot[2 + k] = seconds, logits
+    rows_out = [{"rows": rows, "eager_ms": s[0] * 1e3, "compiled_ms": s[1] * 1e3,
+                 "max_abs_diff": float((s[2].float() - s[3].float()).abs().max())} for rows, s in zip(rows_list, best)]
+    graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])  # more than 1: some count recompiled
+    return {"compile_s": compile_s, "cache_len": cache_len, "graphs": graphs, "rows": rows_out}
+
+
 def parse_variants(text: str) -> list[tuple[str, int | None]]:
     """"shipped,sdpa:640" -> [("shipped", None), ("sdpa", 640)]. A compiled graph is bound to the cache it was
     traced with and cannot tell two same-sized caches apart, so the variants' cache lengths must all differ."""
@@ -149,12 +232,18 @@ def main() -> int:
                              "transformers' default (fused CPU kernel, heads repeated under a mask); the cache "
                              "length defaults to what the compiled AR would use")
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process: probe one B, print JSON
+    parser.add_argument("--dynamic", action="store_true",
+                        help="one compiled graph with the row count dynamic, timed at every --rows count (each >= 2) "
+                             "in one process, instead of a graph per count")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--one-dynamic", action="store_true", help=argparse.SUPPRESS)  # the child process: probe one B, print JSON
     args = parser.parse_args()
     if args.one:
         print(json.dumps(probe(args.pair, args.dtype, args.one, args.prefix, args.repeats, args.mode,
                                parse_variants(args.variants))))
         return 0
+    if args.dynamic:
+        return dynamic_main(args)
     parse_variants(args.variants)
     results = []
     print(f"{'rows':>5s} {'eager ms':>9s} {'variant':>12s} {'compiled ms':>12s} {'speedup':>8s} {'compile s':>10s} "
@@ -181,6 +270,33 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({"pair": args.pair, "mode": args.mode, "prefix": args.prefix,
                                                "variants": args.variants, "rows": results}, indent=1))
     return 0 if all("error" not in r for r in results) else 1
+
+
+def dynamic_main(args) -> int:
+    """--dynamic: one child process, one graph, every row count."""
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if args.one_dynamic:
+        print(json.dumps(probe_dynamic(args.pair, args.dtype, rows_list, args.prefix, args.repeats, args.mode)))
+        return 0
+    child = [sys.executable, "-m", "scripts.lab.compile_probe", "--dynamic", "--one-dynamic", "--rows", args.rows,
+             "--pair", args.pair, "--dtype", args.dtype, "--prefix", str(args.prefix), "--repeats", str(args.repeats),
+             "--mode", args.mode]
+    proc = subprocess.run(child, capture_output=True, text=True, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print("failed:", (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][:300])
+        return 1
+    result = json.loads(lines[-1])
+    print(f"rows dynamic: {result['graphs']} graph(s) (1 = every count served by one), first compiled in "
+          f"{result['compile_s']:.0f} s, on a {result['cache_len']}-position cache")
+    print(f"{'rows':>5s} {'eager ms':>9s} {'compiled ms':>12s} {'speedup':>8s} {'max |diff|':>11s}")
+    for row in result["rows"]:
+        print(f"{row['rows']:5d} {row['eager_ms']:9.1f} {row['compiled_ms']:12.1f} "
+              f"{row['eager_ms'] / row['compiled_ms']:7.2f}× {row['max_abs_diff']:11.3g}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"pair": args.pair, "mode": args.mode, "prefix": args.prefix,
+                                               "dynamic": True, **result}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
