@@ -23,8 +23,9 @@ from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, StaticSteps, causal_visibility
 from engine.cpu import aoti
 from engine.cpu.kernels import quantize_linears, router_of
-from engine.cpu.packages import CapturedModel, Package, install, plan, prepare_capture, prepare_model, recipe_key
-from engine.measure.costs import CAPTURED, ModelCosts
+from engine.cpu.packages import (PAD_GAIN, CapturedModel, Package, install, plan, prepare_capture, prepare_model,
+                                 recipe_key)
+from engine.measure.costs import CAPTURED, ModelCosts, describe_pads
 from engine.models import tiny_random_model, tiny_random_pair
 from engine.models.devices import CaptureUnavailable, capture_backend
 from engine.models.loading import calibrate_pair, load_pair
@@ -254,6 +255,62 @@ def test_rows_are_served_only_where_captured_measured_faster():
     assert sorted(captured.serves) == [1, 2] and table.serves == {1: 1, 2: 2}
     assert table.time(1) == 5.0 and table.time(3) == pytest.approx(13.0)  # 3 rows: eager (13.0) beats 4-row 20.0
     assert table.time(2, path=CAPTURED) == 6.0 and table.eager_time(2) == 12.0
+
+
+def test_a_row_count_runs_padded_where_a_larger_rung_measured_cheaper():
+    """oneDNN's bf16 GEMM on a CPU without AMX is faster at four rows than at one: there a row count runs padded to
+    the larger rung, through the package that runs it, and the table prices it so; a gain inside PAD_GAIN is noise
+    and pads nothing."""
+    one = Package(aoti.Recipe(1, "packed"), object(), "f1", None, 0.0, 0)
+    many = Package(aoti.Recipe(2, "packed", hi=8), object(), "f2-8", None, 0.0, 0)
+    captured = CapturedModel([one, many])
+    table = ModelCosts("target", {"packed": {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}})
+    install(table, captured, {300: {1: 5.0, 2: 5.0, 4: 3.0, 8: 6.0}})
+    assert captured.pads == {1: 4, 2: 4, 3: 4} and captured.route(1) == (4, many.runner)
+    assert captured.route(5) == (5, many.runner) and captured.route(8) == (8, many.runner)  # 8 rows: 6.0, unpadded
+    assert table.serves[1] == 4 and table.time(1) == 3.0 and table.time(3) == 3.0
+    assert describe_pads(captured.pads) == "1-3 as 4" and captured.info()["pads"] == "1-3 as 4"
+    install(table, captured, {300: {1: 5.0, 2: 5.0, 4: 4.9, 8: 6.0}})  # 2 % cheaper: within PAD_GAIN
+    assert captured.pads == {} and captured.route(1) == (1, one.runner) and table.time(1) == 5.0
+    assert 4.9 > PAD_GAIN * 5.0
+
+
+def test_padded_steps_emit_what_eager_emits(pair):
+    """Rows 1-3 of both models run as four through their dynamic packages (the padded rows repeat the last token
+    and see only themselves): every output equals the eager path's, and the packages ran four rows."""
+    saved = {role: (c.serves, c.pads) for role, c in pair.captured.items()}
+    shapes = []
+    try:
+        for captured in pair.captured.values():
+            wide = captured.package_for(4)
+            captured.serves = {**captured.serves, **{n: wide for n in (1, 2, 3)}}
+            captured.pads = {1: 4, 2: 4, 3: 4}
+            wide.runner = recording(wide.runner, shapes)
+        pair.static_steps.clear()
+        for name, temperature in (("ar", 0.0), ("dynatree", 0.0), ("dynatree", 0.8)):
+            sampling = Sampling(temperature=temperature, seed=7)
+            padded = generate(pair, spec(name, sampling))
+            eager = generate(pair, spec(name, sampling, capture="off"))
+            assert padded.output_ids == eager.output_ids
+            assert [it.accepted for it in padded.iterations] == [it.accepted for it in eager.iterations]
+        assert 4 in shapes and not {1, 2, 3} & set(shapes)  # every forward of 1-3 rows ran as four
+    finally:
+        for role, captured in pair.captured.items():
+            captured.serves, captured.pads = saved[role]
+            wide = captured.package_for(4)
+            wide.runner = wide.runner.runner
+        pair.static_steps.clear()
+
+
+class recording:
+    """A runner that notes the row count of every call (its embeddings' second dimension)."""
+
+    def __init__(self, runner, shapes: list[int]):
+        self.runner, self.shapes = runner, shapes
+
+    def __call__(self, embeds, *args):
+        self.shapes.append(embeds.shape[1])
+        return self.runner(embeds, *args)
 
 
 def test_the_switch():

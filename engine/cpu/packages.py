@@ -14,7 +14,9 @@ span -- static for one row (AR's step, and the draft's most frequent forward), t
 package holds no weights (engine/cpu/aoti.py), so these cost disk and compile seconds, not memory. Rows no
 package covers (a prefill, the draft's first forward over the prompt) run eagerly. Every package is then timed
 against the eager path at each rung of the cost ladder, and a row count is served by it only where it measured
-faster (`serves`, kept in the cost table, which thereby prices the path the run takes).
+faster (`serves`, kept in the cost table, which thereby prices the path the run takes). A row count runs padded to a
+larger measured rung where that rung measured cheaper (`pads`): oneDNN's bf16 GEMM on a CPU without AMX streams its
+weights faster at four rows than at one (docs/experiments/2026-12-06-zen4.md), so there AR's step runs as four rows.
 """
 from __future__ import annotations
 
@@ -29,13 +31,15 @@ from engine.core.steps import LADDER, StaticSteps
 from engine.cpu.aoti import MAX_ROWS, Recipe, build, load, package_file, package_key, read_meta, write_meta
 from engine.cpu.kernels import (INT4_GROUP, assigned, format_tensors, route_linears, routed_linears, router_of,
                                 standin_tensors)
-from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, machine, model_identity, probe_ids,
-                                  read_cached, spans, table_file, table_key, write_json)
+from engine.measure.costs import (CONTEXTS, PREFIX, REPEATS, describe_pads, machine, model_identity,
+                                  probe_ids, read_cached, spans, table_file, table_key, write_json)
 from engine.measure.graphed import time_rungs
 from engine.measure.quiet import watch_cpu
 from engine.runtime import model_device
 
 DRAFT_TOP = 32  # the draft's largest captured forward (a batched level of a wide tree); the target's is MAX_ROWS
+PAD_GAIN = 0.95  # a row count runs padded to a larger rung only where that measured at least 5 % cheaper: a smaller
+# difference is within a cost table's noise, and padding then buys nothing but doubt
 
 
 def plan(model, role: str, top: int | None = None) -> list[Recipe]:
@@ -86,6 +90,7 @@ class CapturedModel:
     """A model's loaded packages and the row counts each serves (after measuring: only where faster than eager)."""
     packages: list[Package]
     serves: dict[int, Package] = field(default_factory=dict)
+    pads: dict[int, int] = field(default_factory=dict)  # n -> the rows it runs as, where padding measured cheaper
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -107,16 +112,18 @@ class CapturedModel:
         package = self.serves.get(n)
         if package is None:
             return n, None
-        return self.rows_of(package, n), package.runner
+        return self.pads.get(n, self.rows_of(package, n)), package.runner
 
     def serve_all(self) -> None:
-        """Every row count a package can run, before measuring (tests, and a forced `on` without a table)."""
+        """Every row count a package can run, unpadded, before measuring (tests, and a forced `on` without a table)."""
         self.serves = {n: p for n in range(1, self.max_rows + 1) if (p := self.package_for(n)) is not None}
+        self.pads = {}
 
     def info(self) -> dict:
         return {"packages": [{"recipe": p.recipe.describe(), "compile_s": p.compile_s, "load_s": p.load_s,
                               "bytes": p.bytes} for p in self.packages],
-                "serves": spans(self.serves), "notes": list(self.notes)}
+                "serves": spans(self.serves), "pads": describe_pads(self.pads), "notes": list(self.notes)}
+
 
 
 def recipe_key(model, name: str, recipe: Recipe) -> dict:
@@ -190,14 +197,14 @@ def measure_captured(model, captured: CapturedModel, ladder, prefix: int, repeat
     """Seconds of a forward of each rung's row count over a `prefix`-token cache through `captured`'s packages
     (each rung its package runs; padded where static), fastest of `repeats` whole sweeps after one warm-up sweep."""
     rungs = [r for r in ladder if captured.package_for(r) is not None]
-    saved, captured.serves = captured.serves, {}
+    saved = captured.serves, captured.pads
     captured.serve_all()
     try:
         ids = probe_ids(model, prefix + max(rungs)).tolist()
         steps = StaticSteps(model, prefix + max(rungs) + 8, (1,), captured=captured)
         return time_rungs(steps, ids, prefix, rungs, repeats)
     finally:
-        captured.serves = saved
+        captured.serves, captured.pads = saved
 
 
 def captured_table(model, name: str, captured: CapturedModel, recalibrate: bool = False) -> dict[int, dict[int, float]]:
@@ -221,16 +228,36 @@ def captured_table(model, name: str, captured: CapturedModel, recalibrate: bool 
 
 
 def install(table, captured: CapturedModel, seconds: dict[int, dict[int, float]]) -> None:
-    """Give the model's cost `table` its captured seconds, and let each row count be served by its package only
-    where that measured faster than the fastest eager path (the table then prices what runs take)."""
+    """Give the model's cost `table` its captured seconds, and let each row count be served by a package only where
+    that measured faster than the fastest eager path: as its own rows, or padded to a larger measured rung where
+    that rung measured cheaper by PAD_GAIN (the table then prices what runs take)."""
     table.captured = seconds
-    serves = {}
+    rungs = sorted({r for points in seconds.values() for r in points})
+    serves, pads = {}, {}
     for n in range(1, captured.max_rows + 1):
-        package = captured.package_for(n)
-        if package is not None and table.captured_time(captured.rows_of(package, n)) < table.eager_time(n):
-            serves[n] = package
-    captured.serves = serves
-    table.serves = {n: captured.rows_of(p, n) for n, p in serves.items()}
+        run = _cheapest_run(table, captured, n, rungs)
+        if run is not None and table.captured_time(run[1]) < table.eager_time(n):
+            serves[n] = run[0]
+            if run[1] != captured.rows_of(run[0], n):
+                pads[n] = run[1]
+    captured.serves, captured.pads = serves, pads
+    table.serves = {n: pads.get(n, captured.rows_of(p, n)) for n, p in serves.items()}
+
+
+def _cheapest_run(table, captured: CapturedModel, n: int, rungs: list[int]) -> tuple[Package, int] | None:
+    """(package, rows it runs) for n rows: its own package, unless a package running a larger measured rung took
+    less than PAD_GAIN of that (padded rows cost their columns of every GEMM and nothing else)."""
+    package = captured.package_for(n)
+    own = (package, captured.rows_of(package, n)) if package is not None else None
+    best = own
+    for rung in (r for r in rungs if r > n):
+        wider = captured.package_for(rung)
+        if wider is None:
+            continue
+        rows = captured.rows_of(wider, rung)
+        if best is None or table.captured_time(rows) < PAD_GAIN * table.captured_time(best[1]):
+            best = (wider, rows)
+    return best
 
 
 def prepare_capture(pair, progress=None, recalibrate: bool = False, measure: bool = True,
@@ -283,7 +310,8 @@ def format_capture(pair) -> str:
         lines.append(f"captured {role}: {len(packages)} package(s) ({', '.join(p['recipe'] for p in packages)}); "
                      f"{disk:.2f} GiB on disk, {info['memory_bytes'] / 2**30:.2f} GiB of memory to load; "
                      + (f"compiled now in {sum(built):.0f} s; " if built else "")
-                     + f"serves rows {info['serves']}")
+                     + f"serves rows {info['serves']}"
+                     + (f", padded: rows {info['pads']}" if info.get("pads") else ""))
         lines += [f"  {note}" for note in info["notes"]]
     return "\n".join(lines)
 

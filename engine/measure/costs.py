@@ -380,7 +380,8 @@ class PairCosts:
         for role, table in (("target", self.target), ("draft", self.draft)):
             if table is not None:
                 out[role] = {"name": table.name, "seconds": table.seconds, "step_bytes": table.step_bytes,
-                             "captured": table.captured, "serves": spans(table.serves)}
+                             "captured": table.captured, "serves": spans(table.serves),
+                             "padded": describe_pads({n: r for n, r in table.serves.items() if r != n})}
         return out
 
 
@@ -393,6 +394,14 @@ def spans(rows) -> str:
             out.append(f"{start}-{r}" if r > start else f"{r}")
             start = None
     return ", ".join(out) or "none"
+
+
+def describe_pads(pads: dict[int, int]) -> str:
+    """{1: 4, 2: 4, 3: 4} -> '1-3 as 4' ('' where nothing is padded)."""
+    by_rows: dict[int, list[int]] = {}
+    for n, rows in sorted(pads.items()):
+        by_rows.setdefault(rows, []).append(n)
+    return ", ".join(f"{spans(ns)} as {rows}" for rows, ns in by_rows.items())
 
 
 def format_costs(costs: PairCosts, routing: dict[str, str] | None = None, formats: dict[str, str] | None = None
@@ -414,7 +423,9 @@ def format_costs(costs: PairCosts, routing: dict[str, str] | None = None, format
             cells = "".join(f"{at[r] * 1000:8.1f}" if r in at else f"{'-':>8s}" for r in LADDER)
             lines.append(f"{role:7s} {CAPTURED:7s} {cells}")
             run = "".join(f"{table.time(r) * 1000:8.1f}" for r in LADDER)
-            lines.append(f"{role:7s} {'as run':7s} {run}   (captured where it serves: rows {spans(table.serves)})")
+            padded = describe_pads({n: r for n, r in table.serves.items() if r != n})
+            lines.append(f"{role:7s} {'as run':7s} {run}   (captured where it serves: rows {spans(table.serves)}"
+                         + (f"; run padded: rows {padded})" if padded else ")"))
     lines.append("")
     lines.append("t(n) = verify n rows / target step: " +
                  "  ".join(f"t({r})={costs.t(r):.2f}" for r in LADDER))
