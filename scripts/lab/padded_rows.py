@@ -22,18 +22,21 @@ SETS = ("code", "chat", "prose")
 
 @contextmanager
 def unpadded(pair):
-    """Inside the block every row count a padded package served runs at its own rows, on its own package."""
-    saved = {role: (c.serves, c.pads) for role, c in pair.captured.items()}
-    for captured in pair.captured.values():
+    """Inside the block every row count a padded package served runs at its own rows, on its own package, and the
+    cost table prices it so (the `auto` sizer reads the table: the A/B covers its choices too)."""
+    tables = {"target": pair.costs.target, "draft": pair.costs.draft}
+    saved = {role: (c.serves, c.pads, tables[role].serves) for role, c in pair.captured.items()}
+    for role, captured in pair.captured.items():
         captured.serves = {n: (captured.package_for(n) if n in captured.pads else p)
                            for n, p in captured.serves.items()}
         captured.pads = {}
+        tables[role].serves = {n: captured.rows_of(p, n) for n, p in captured.serves.items()}
     pair.static_steps.clear()
     try:
         yield
     finally:
         for role, captured in pair.captured.items():
-            captured.serves, captured.pads = saved[role]
+            captured.serves, captured.pads, tables[role].serves = saved[role]
         pair.static_steps.clear()
 
 
