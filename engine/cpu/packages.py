@@ -125,7 +125,6 @@ class CapturedModel:
                 "serves": spans(self.serves), "pads": describe_pads(self.pads), "notes": list(self.notes)}
 
 
-
 def recipe_key(model, name: str, recipe: Recipe) -> dict:
     """What a package is keyed by: the model (identity, and a weight fingerprint: its norms and biases are frozen
     in), its dtype, the recipe (with the int4 grouping when it is int4), the weight inputs it takes (each linear's
@@ -245,11 +244,10 @@ def install(table, captured: CapturedModel, seconds: dict[int, dict[int, float]]
 
 
 def _cheapest_run(table, captured: CapturedModel, n: int, rungs: list[int]) -> tuple[Package, int] | None:
-    """(package, rows it runs) for n rows: its own package, unless a package running a larger measured rung took
-    less than PAD_GAIN of that (padded rows cost their columns of every GEMM and nothing else)."""
+    """(package, rows it runs) for n rows, or None where no package can: its own package, unless a package running a
+    larger measured rung took less than PAD_GAIN of that."""
     package = captured.package_for(n)
-    own = (package, captured.rows_of(package, n)) if package is not None else None
-    best = own
+    best = (package, captured.rows_of(package, n)) if package is not None else None
     for rung in (r for r in rungs if r > n):
         wider = captured.package_for(rung)
         if wider is None:
