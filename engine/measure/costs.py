@@ -381,7 +381,7 @@ class PairCosts:
             if table is not None:
                 out[role] = {"name": table.name, "seconds": table.seconds, "step_bytes": table.step_bytes,
                              "captured": table.captured, "serves": spans(table.serves),
-                             "padded": describe_pads({n: r for n, r in table.serves.items() if r != n})}
+                             "padded": describe_pads(table.serves)}
         return out
 
 
@@ -396,11 +396,12 @@ def spans(rows) -> str:
     return ", ".join(out) or "none"
 
 
-def describe_pads(pads: dict[int, int]) -> str:
-    """{1: 4, 2: 4, 3: 4} -> '1-3 as 4' ('' where nothing is padded)."""
+def describe_pads(runs: dict[int, int]) -> str:
+    """{row count: rows it runs as} -> the padded ones: {1: 4, 2: 4, 3: 4, 4: 4} -> '1-3 as 4' ('' where none is)."""
     by_rows: dict[int, list[int]] = {}
-    for n, rows in sorted(pads.items()):
-        by_rows.setdefault(rows, []).append(n)
+    for n, rows in sorted(runs.items()):
+        if rows != n:
+            by_rows.setdefault(rows, []).append(n)
     return ", ".join(f"{spans(ns)} as {rows}" for rows, ns in by_rows.items())
 
 
@@ -423,7 +424,7 @@ def format_costs(costs: PairCosts, routing: dict[str, str] | None = None, format
             cells = "".join(f"{at[r] * 1000:8.1f}" if r in at else f"{'-':>8s}" for r in LADDER)
             lines.append(f"{role:7s} {CAPTURED:7s} {cells}")
             run = "".join(f"{table.time(r) * 1000:8.1f}" for r in LADDER)
-            padded = describe_pads({n: r for n, r in table.serves.items() if r != n})
+            padded = describe_pads(table.serves)
             lines.append(f"{role:7s} {'as run':7s} {run}   (captured where it serves: rows {spans(table.serves)}"
                          + (f"; run padded: rows {padded})" if padded else ")"))
     lines.append("")

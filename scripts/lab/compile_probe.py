@@ -235,8 +235,8 @@ def main() -> int:
     parser.add_argument("--dynamic", action="store_true",
                         help="one compiled graph with the row count dynamic, timed at every --rows count (each >= 2) "
                              "in one process, instead of a graph per count")
-    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--one-dynamic", action="store_true", help=argparse.SUPPRESS)  # the child process: probe one B, print JSON
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process: probe one B, print JSON
+    parser.add_argument("--one-dynamic", action="store_true", help=argparse.SUPPRESS)  # the --dynamic child
     args = parser.parse_args()
     if args.one:
         print(json.dumps(probe(args.pair, args.dtype, args.one, args.prefix, args.repeats, args.mode,
@@ -253,14 +253,11 @@ def main() -> int:
                  "--dtype", args.dtype,
                  "--prefix", str(args.prefix), "--repeats", str(args.repeats), "--mode", args.mode,
                  "--variants", args.variants]
-        proc = subprocess.run(child, capture_output=True, text=True, cwd=ROOT)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][:200]
+        row, reason = child_result(child)
+        if row is None:
             results.append({"rows": rows, "error": reason})
             print(f"{rows:5d} failed: {reason}")
             continue
-        row = json.loads(lines[-1])
         results.append(row)
         for v in row["variants"]:
             name = f"{v['attention']}:{v['cache_len']}"
@@ -272,6 +269,15 @@ def main() -> int:
     return 0 if all("error" not in r for r in results) else 1
 
 
+def child_result(child: list[str]) -> tuple[dict | None, str]:
+    """(the JSON line a child probe printed last, "") or (None, why it failed: its last error line)."""
+    proc = subprocess.run(child, capture_output=True, text=True, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return None, (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][:200]
+    return json.loads(lines[-1]), ""
+
+
 def dynamic_main(args) -> int:
     """--dynamic: one child process, one graph, every row count."""
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -281,12 +287,10 @@ def dynamic_main(args) -> int:
     child = [sys.executable, "-m", "scripts.lab.compile_probe", "--dynamic", "--one-dynamic", "--rows", args.rows,
              "--pair", args.pair, "--dtype", args.dtype, "--prefix", str(args.prefix), "--repeats", str(args.repeats),
              "--mode", args.mode]
-    proc = subprocess.run(child, capture_output=True, text=True, cwd=ROOT)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        print("failed:", (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][:300])
+    result, reason = child_result(child)
+    if result is None:
+        print("failed:", reason)
         return 1
-    result = json.loads(lines[-1])
     print(f"rows dynamic: {result['graphs']} graph(s) (1 = every count served by one), first compiled in "
           f"{result['compile_s']:.0f} s, on a {result['cache_len']}-position cache")
     print(f"{'rows':>5s} {'eager ms':>9s} {'compiled ms':>12s} {'speedup':>8s} {'max |diff|':>11s}")
