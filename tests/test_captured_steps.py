@@ -22,7 +22,7 @@ from engine.bench.tables import AR_CAPTURED, AR_EAGER, bench
 from engine.core.sampling import Sampling
 from engine.core.steps import DynamicSteps, StaticSteps, causal_visibility
 from engine.cpu import aoti
-from engine.cpu.kernels import quantize_linears, router_of
+from engine.cpu.kernels import quantize_linears, route_linears, router_of, standin_tensors
 from engine.cpu.packages import (PAD_GAIN, CapturedModel, Package, install, plan, prepare_capture, prepare_model,
                                  recipe_key)
 from engine.measure.costs import CAPTURED, ModelCosts, describe_pads
@@ -360,6 +360,27 @@ def test_real_shapes_and_a_padded_vocabulary_decode_the_same_captured():
         assert pair.static_steps["draft"].captured is pair.captured["draft"]
         assert captured.output_ids == eager.output_ids
         assert [it.accepted for it in captured.iterations] == [it.accepted for it in eager.iterations]
+
+
+def test_a_package_attends_with_each_key_value_head_read_once():
+    """The exported step hands SDPA the query heads folded onto their key/value head (engine/core/attention.py
+    tree_sdpa), for one row and for a dynamic row count: traced unfolded, the package's attention cost grew with the
+    cache several times faster (docs/experiments/2026-12-06-zen4.md)."""
+    from engine.core.attention import use_tree_sdpa
+    from engine.models import tiny_config
+
+    config = tiny_config(vocab_size=512, num_layers=1, hidden_size=112, intermediate_size=64, num_attention_heads=7,
+                         num_key_value_heads=1)
+    model = tiny_random_model(0, config=config)
+    model.set_attn_implementation("sdpa")  # a model on plain sdpa is folded for export too, and left as it was
+    route_linears(model)
+    for recipe in (aoti.Recipe(1), aoti.Recipe(2, hi=8)):
+        program = aoti.export_step(model, recipe, standin_tensors(model, recipe.formats()))
+        queries = [node.args[0].meta["val"] for node in program.graph.nodes
+                   if node.op == "call_function" and "scaled_dot_product" in str(node.target)]
+        assert queries and all(q.shape[1] == 1 for q in queries), [tuple(q.shape) for q in queries]
+    assert model.config._attn_implementation == "sdpa"
+    use_tree_sdpa(model)
 
 
 def rule_cases() -> list[tuple[str, str]]:

@@ -38,7 +38,9 @@ def tree_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, s
     mask = attention_mask.expand(1, 1, n, attention_mask.shape[-1]).repeat(1, 1, groups, 1)
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
-    return out.reshape(1, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None
+    # [1, Hkv, g * n, D] -> [1, H, n, D] by splitting the rows (a reshape makes export guard on n: a dynamic-rows
+    # package could not be built)
+    return out.unflatten(2, (groups, n)).flatten(1, 2).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(TREE_SDPA, tree_sdpa)
@@ -51,6 +53,23 @@ def use_tree_sdpa(model) -> None:
     """Switch `model` (loaded with sdpa) to `tree_sdpa`; a model on eager attention keeps it."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
         model.set_attn_implementation(TREE_SDPA)
+
+
+@contextmanager
+def folded_attention(model):
+    """`model` on tree_sdpa inside the block (a model on sdpa is switched, and back afterwards; eager attention is
+    kept): what a captured step traces. Exported, SDPA becomes torch's fused CPU kernel called from the package, and
+    folded it reads each key/value head once; traced unfolded with `enable_gqa` the same kernel took 1.4-2x longer
+    per one-row draft step, more the longer the cache (docs/experiments/2026-12-06-zen4.md, "The captured steps'
+    attention")."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation == "sdpa":
+        model.set_attn_implementation(TREE_SDPA)
+    try:
+        yield
+    finally:
+        if implementation == "sdpa":
+            model.set_attn_implementation(implementation)
 
 
 GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: grouped-query heads in SDPA even with a mask

@@ -14,8 +14,8 @@ The linear weights are the package's inputs, not its constants: every linear cal
 opaque `treeviz::linear` (engine/cpu/kernels.py), handed the model's own tensors on every call. So a package holds
 no copy of the weights -- all packages of a model share the one resident copy, and a package per row-count range
 costs disk and seconds, not gigabytes -- and it is traced with one-element stand-ins, so building one needs neither
-the weights' formats nor their memory. The compiler fuses what lies between the GEMMs (norms, rotary, attention,
-activations), and a step pays no Python per layer.
+the weights' formats nor their memory. The compiler fuses what lies between the GEMMs (norms, rotary,
+activations; attention is torch's fused CPU kernel over folded query heads), and a step pays no Python per layer.
 
 Why AOTInductor rather than torch.compile: a package is compiled once per machine and loads in seconds in every
 later process. Packages are keyed by the model's identity, the recipe, torch's version and the CPU (`package_key`)
@@ -36,11 +36,12 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
 
-from engine.core.attention import compiled_attention
+from engine.core.attention import folded_attention
 from engine.cpu.kernels import bound_tensors, opaque_linears, page_out, routed_linears
 from engine.runtime import cache_dir, load_package, model_device
 
-FORMAT = 5  # bump when a package's inputs or outputs change meaning (4: weights are inputs; 5: plain opaque too)
+FORMAT = 6  # bump when a package's inputs, outputs or kernels change (4: weights are inputs; 5: plain opaque too;
+# 6: attention folded, engine/core/attention.py folded_attention)
 MAX_ROWS = 64  # the largest dynamic row count a package is exported for
 
 
@@ -189,7 +190,7 @@ def export_step(model, recipe: Recipe, weights: list[torch.Tensor]):
     by_rows = {1: rows} if rows is not None else {}
     shapes = (by_rows, by_rows, {**({2: rows} if rows is not None else {}), 3: length}, {},
               [{2: length}] * len(args[4]), [{2: length}] * len(args[5]), [{}] * len(weights))
-    with torch.inference_mode(), opaque_linears(), compiled_attention(model):
+    with torch.inference_mode(), opaque_linears(), folded_attention(model):
         step = Step(model, recipe.formats()).eval()
         with weights_out_of_sight(model):
             return torch.export.export(step, args, dynamic_shapes=shapes, strict=False)
