@@ -126,12 +126,13 @@ def test_compile_probe_times_a_compiled_tree_forward_that_equals_the_eager_one(t
     out = tmp_path / "probe.json"
     proc = subprocess.run([sys.executable, "-m", "scripts.lab.compile_probe", "--pair", "tiny-random",
                            "--dtype", "fp32", "--rows", "3", "--prefix", "16", "--repeats", "1", "--mode", "default",
-                           "--variants", "shipped:64,sdpa:384",
+                           "--variants", "shipped:64,gqa:128,sdpa:384",
                            "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     [row] = json.loads(out.read_text())["rows"]
     assert row["rows"] == 3 and row["eager_ms"] > 0
-    assert [(v["attention"], v["cache_len"]) for v in row["variants"]] == [("shipped", 64), ("sdpa", 384)]
+    assert [(v["attention"], v["cache_len"]) for v in row["variants"]] == [("shipped", 64), ("gqa", 128),
+                                                                           ("sdpa", 384)]
     for variant in row["variants"]:  # 19 positions filled: the masked, unfilled rest of each cache counts too
         assert variant["compiled_ms"] > 0
         assert variant["max_abs_diff"] < 1e-3  # fp32: the compiled forward under the tree mask gives eager's logits
@@ -174,6 +175,25 @@ def test_linear_kernels_probe_compares_onednn_and_inductor_on_one_shape(tmp_path
     for r in rows:
         assert r["onednn_us"] > 0 and r["compiled_us"] > 0 and r["onednn_gbs"] > 0
         assert r["max_abs_diff"] <= bound
+
+
+def test_captured_attention_probe_runs_the_eager_kernel_in_the_package(tmp_path):
+    """The folded form compiled into a package calls the kernel eager calls on the same inputs: its output equals
+    eager's bit for bit (the kernel splits work by query length only, so both take the same order); every variant
+    is timed at both shapes."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, "-m", "scripts.lab.captured_attention", "--rows", "2", "--lengths", "400",
+                           "--repeats", "2", "--json", str(out)], capture_output=True, text=True, timeout=900,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(r["model"], r["rows"], r["length"]) for r in rows] == [("draft", 2, 400), ("target", 2, 400)]
+    for r in rows:
+        assert r["folded-flash_diff"] == 0
+        assert all(r[f"{name}_us"] > 0 for name in ("eager", "math", "flash", "folded-math", "folded-flash"))
 
 
 def test_rules_bench_script_measures_every_rule(tmp_path):

@@ -1,11 +1,10 @@
 """The ar-compiled baseline (engine/bench/compiled.py): the compiled step decodes what the engine's AR decodes."""
-import os
 
 import pytest
 import torch
 
 from engine.bench.compiled import CompileError, CompiledAR, compile_available
-from engine.core.attention import GQA_SWITCH, compiled_attention
+from engine.core.attention import TREE_SDPA, folded_attention
 from engine.core.prompts import encode_prompt
 from engine.core.sampling import Sampling
 from engine.cpu.kernels import router_of
@@ -80,15 +79,17 @@ def test_a_cache_size_past_torchs_recompile_limit_is_refused(compiled, monkeypat
         ar.generate(encode_prompt(pair.tokenizer, PROMPT), 64 * (max(ar.caches) // 64 + 1))
 
 
-def test_compiled_attention_sets_and_restores_the_gqa_switch(monkeypatch):
-    monkeypatch.delenv(GQA_SWITCH, raising=False)
-    with compiled_attention():
-        assert os.environ[GQA_SWITCH] == "1"
-    assert GQA_SWITCH not in os.environ
-    monkeypatch.setenv(GQA_SWITCH, "0")
-    with pytest.raises(KeyError), compiled_attention():
-        raise KeyError
-    assert os.environ[GQA_SWITCH] == "0"
+def test_folded_attention_switches_sdpa_and_restores_it():
+    """A model on sdpa traces tree_sdpa inside the block and is back on sdpa after, also after an exception; a model
+    on eager attention or already on tree_sdpa is left as it is."""
+    from engine.models import tiny_random_model
+    model = tiny_random_model(0)
+    for before, inside in (("sdpa", TREE_SDPA), ("eager", "eager"), (TREE_SDPA, TREE_SDPA)):
+        model.set_attn_implementation(before)
+        with pytest.raises(KeyError), folded_attention(model):
+            assert model.config._attn_implementation == inside
+            raise KeyError
+        assert model.config._attn_implementation == before
 
 
 def test_compile_is_refused_with_a_reason_off_cpu():

@@ -10,12 +10,9 @@ is the same attention, reshaped back.
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
-from unittest.mock import patch
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -58,10 +55,10 @@ def use_tree_sdpa(model) -> None:
 @contextmanager
 def folded_attention(model):
     """`model` on tree_sdpa inside the block (a model on sdpa is switched, and back afterwards; eager attention is
-    kept): what a captured step traces. Exported, SDPA becomes torch's fused CPU kernel called from the package, and
-    folded it reads each key/value head once; traced unfolded with `enable_gqa` the same kernel took 1.4-2x longer
-    per one-row draft step, more the longer the cache (docs/experiments/2026-12-06-zen4.md, "The captured steps'
-    attention")."""
+    kept): what captured steps and the compiled AR trace. Compiled, SDPA becomes torch's fused CPU kernel, and folded
+    it reads each key/value head once; traced unfolded with `enable_gqa`, a one-row draft package took 1.4-2x longer
+    (more the longer the cache) and the compiled AR 6-8 % longer (docs/experiments/2026-12-06-zen4.md, "The captured
+    steps' attention")."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation == "sdpa":
         model.set_attn_implementation(TREE_SDPA)
@@ -69,25 +66,4 @@ def folded_attention(model):
         yield
     finally:
         if implementation == "sdpa":
-            model.set_attn_implementation(implementation)
-
-
-GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: grouped-query heads in SDPA even with a mask
-
-
-@contextmanager
-def compiled_attention(model=None):
-    """Attention as compiled steps trace it: transformers' SDPA with grouped-query heads unexpanded (`enable_gqa`) on
-    SDPA's math backend, which inductor fuses with the rest of the layer (and whose shapes export can reason about
-    for any row count, where the folded form above makes it guard on them). `model`, if given, is switched to sdpa
-    inside the block and back afterwards."""
-    implementation = None
-    if model is not None:
-        implementation = model.config._attn_implementation
-        model.set_attn_implementation("sdpa")
-    try:
-        with patch.dict(os.environ, {GQA_SWITCH: "1"}), sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        if implementation is not None:
             model.set_attn_implementation(implementation)

@@ -8,12 +8,13 @@ forward of B rows after a `--prefix`-token cache, both ways (a compiled graph ne
 
   eager     the engine's own verification forward: routed kernels on a dynamic cache, rolled back by row copy
   compiled  torch.compile(dynamic=False) of the same forward as `ar-compiled` builds its step: frozen weights, plain
-            linears, SDPA's math backend with grouped-query heads, a static cache sized in `CACHE_STEP`s with its
+            linears, the query heads folded onto their key/value head, a static cache sized in `CACHE_STEP`s with its
             unfilled positions masked; with `--mode max-autotune` inductor also times its own C++ GEMMs against
             oneDNN per weight shape
 
-`--variants` times several compiled forms in one process beside eager: the attention (`shipped`, or `sdpa` for
-transformers' own) and the static cache's length, e.g. `shipped:384,sdpa:640`.
+`--variants` times several compiled forms in one process beside eager: the attention (`shipped`, the compiled AR's;
+`sdpa`, the model's own as loaded; `gqa`, SDPA's math backend with grouped-query heads, which the compiled AR ran until
+2026-12-07) and the static cache's length, e.g. `shipped:384,gqa:385`.
 
 Each B is compiled and timed in its own process: a graph is specialised to its row count, every frozen graph keeps
 its own copy of the weights, and an inductor failure (a crash inside generated code is possible) costs only that row
@@ -28,12 +29,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from unittest.mock import patch
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root, where `python -m scripts.lab.compile_probe` runs
+
+
+GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: grouped-query heads in SDPA even with a mask
+
+
+@contextmanager
+def gqa_attention(model):
+    """`model` on transformers' sdpa with grouped-query heads unexpanded (`enable_gqa`) on SDPA's math backend inside
+    the block, as the compiled AR traced it until 2026-12-07; back afterwards."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with patch.dict(os.environ, {GQA_SWITCH: "1"}), sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        model.set_attn_implementation(implementation)
 
 
 def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode: str,
@@ -47,7 +68,7 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
     from transformers import StaticCache
 
     from engine.core import kv
-    from engine.core.attention import compiled_attention
+    from engine.core.attention import folded_attention
     from engine.bench.compiled import round_to_step
     from engine.measure.costs import probe_ids
     from engine.runtime import forcing
@@ -79,7 +100,8 @@ def probe(pair_spec: str, dtype: str, rows: int, prefix: int, repeats: int, mode
         visible = torch.zeros(rows, cache_len, dtype=torch.bool)
         visible[:, : prefix + rows] = kv.tree_visibility(prefix, chain)
         mask = kv.additive_mask(visible, model.dtype)
-        attend = (lambda: compiled_attention(model)) if attention == "shipped" else contextlib.nullcontext  # sdpa: transformers'
+        attend = {"shipped": lambda: folded_attention(model), "gqa": lambda: gqa_attention(model)}.get(
+            attention, contextlib.nullcontext)  # sdpa: the model's own
 
         def forward():
             with forcing(model, "plain"), attend():
@@ -131,7 +153,7 @@ def probe_dynamic(pair_spec: str, dtype: str, rows_list: list[int], prefix: int,
 
     from engine.bench.compiled import round_to_step
     from engine.core import kv
-    from engine.core.attention import compiled_attention
+    from engine.core.attention import folded_attention
     from engine.measure.costs import probe_ids
     from engine.models import load_pair
     from engine.runtime import forcing
@@ -171,7 +193,7 @@ def probe_dynamic(pair_spec: str, dtype: str, rows_list: list[int], prefix: int,
         torch._dynamo.mark_dynamic(position, 0, min=2, max=64)
 
         def forward():
-            with forcing(model, "plain"), compiled_attention(model):
+            with forcing(model, "plain"), folded_attention(model):
                 out = step(**new, past_key_values=static, cache_position=position)
             for layer in static.layers:  # write the same rows after the same prefix on every call
                 layer.cumulative_length.fill_(prefix)
@@ -209,8 +231,8 @@ def parse_variants(text: str) -> list[tuple[str, int | None]]:
     variants = []
     for item in text.split(","):
         attention, _, length = item.partition(":")
-        if attention not in ("shipped", "sdpa"):
-            raise SystemExit(f"--variants: attention must be shipped or sdpa, got {attention!r}")
+        if attention not in ("shipped", "sdpa", "gqa"):
+            raise SystemExit(f"--variants: attention must be shipped, sdpa or gqa, got {attention!r}")
         variants.append((attention, int(length) if length else None))
     lengths = [length for _, length in variants]
     if len(variants) > 1 and (None in lengths or len(set(lengths)) < len(lengths)):
@@ -228,8 +250,9 @@ def main() -> int:
     parser.add_argument("--mode", default="max-autotune", choices=("max-autotune", "default"))
     parser.add_argument("--variants", default="shipped",
                         help="compiled variants timed in one process beside eager, as ATTENTION[:CACHE_LEN],...: "
-                             "shipped = the compiled AR's attention (engine.core.attention.compiled_attention), sdpa = "
-                             "transformers' default (fused CPU kernel, heads repeated under a mask); the cache "
+                             "shipped = the compiled AR's and the captured steps' attention "
+                             "(engine.core.attention.folded_attention), sdpa = the model's own as loaded, gqa = SDPA's "
+                             "math backend with grouped-query heads (the compiled AR's until 2026-12-07); the cache "
                              "length defaults to what the compiled AR would use")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--dynamic", action="store_true",
