@@ -177,6 +177,31 @@ def test_linear_kernels_probe_compares_onednn_and_inductor_on_one_shape(tmp_path
         assert r["max_abs_diff"] <= bound
 
 
+def test_format_kernels_probe_times_each_format_the_engine_makes(tmp_path):
+    """Each weight-only format's kernel, in fp32, multiplies by the weight the format stands for: its output differs
+    from x @ dequantized(w).T by no more than two fp32 summation orders of 64 products can."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "formats.json"
+    proc = subprocess.run([sys.executable, "-m", "scripts.lab.format_kernels", "--shape", "32x64",
+                           "--formats", "plain,packed,int8,int4", "--threads", "1", "--copies", "2",
+                           "--dtype", "fp32", "--repeats", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["formats"]
+    assert [r["format"] for r in rows] == ["plain", "packed", "int8", "int4"]
+    import torch
+    # x ~ N(0,1) from seed 0: |x| < 6 over 64 values; nn.Linear's init keeps |w| <= 1/8, a quantised copy within
+    # one step of its group's range (< 0.14)
+    bound = 2 * 64 * torch.finfo(torch.float32).eps * 64 * 6 * 0.14
+    for r in rows:
+        assert r["us_1"] > 0 and r["gbs_1"] > 0 and r["gigabytes"] > 0
+        assert r["max_abs_diff"] <= bound, r
+    sizes = {r["format"]: r["gigabytes"] for r in rows}
+    assert sizes["int4"] < sizes["int8"] < sizes["plain"]  # what each format streams, as the cost table counts it
+
+
 def test_captured_attention_probe_runs_the_eager_kernel_in_the_package(tmp_path):
     """The folded form compiled into a package calls the kernel eager calls on the same inputs: its output equals
     eager's bit for bit (the kernel splits work by query length only, so both take the same order); every variant
