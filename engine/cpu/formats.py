@@ -275,26 +275,28 @@ def _kept(seconds, tied: bool) -> list[str]:
 
 def _probe(model, paths: list[str], compute_dtype, notes: list[str]):
     """(seconds[group][path][rows], bytes per plain byte[group][path]) on copies made for the probed layers only; a
-    group is probed on the formats its weight shape takes (int4 needs multiples of its group size)."""
+    group is probed on the formats its weight shape takes (int4 needs multiples of its group size). One group's
+    copies exist at a time: each group fills the last-level cache, and a VM may report its whole socket's (480 MiB),
+    where making every group's copies at once added gigabytes to a start (docs/experiments/2026-12-07-xeon-amx.md)."""
     groups = probe_groups(model)
-    probed = [layer for layers in groups.values() for layer in layers]
     takes = {g: [p for p in paths if all(layer.takes(p) for layer in layers)] for g, layers in groups.items()}
     for g, have in takes.items():
         notes += [f"{g}: {p} does not take this weight shape" for p in paths if p not in have]
-    try:
-        for g, layers in groups.items():
+    # a model whose weights fit the cache is read from it by its forwards, and timed so (no flush)
+    streams = linear_bytes(model) > last_level_cache()
+    seconds, size = {}, {}
+    for g, layers in groups.items():
+        try:
             for layer in layers:
                 for path in takes[g]:
                     layer.add(path, compute_dtype)
-        size = {g: {p: _bytes_ratio(layers, p) for p in takes[g]} for g, layers in groups.items()}
-        # a model whose weights fit the cache is read from it by its forwards, and timed so (no flush)
-        streams = linear_bytes(model) > last_level_cache()
-        seconds = {g: time_formats(layers, takes[g], streams=streams) for g, layers in groups.items()}
-    finally:
-        for layer in probed:
-            for path in paths:
-                if path != "plain":
-                    layer.drop(path)
+            size[g] = {p: _bytes_ratio(layers, p) for p in takes[g]}
+            seconds[g] = time_formats(layers, takes[g], streams=streams)
+        finally:
+            for layer in layers:
+                for path in paths:
+                    if path != "plain":
+                        layer.drop(path)
     return seconds, size
 
 
