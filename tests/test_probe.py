@@ -101,9 +101,7 @@ def test_a_model_that_fits_the_cache_is_timed_from_it(routed, monkeypatch):
 
 def test_the_probe_holds_one_group_s_copies_at_a_time(routed, monkeypatch):
     # each group fills the last-level cache, and a VM may report its whole socket's: copies of every group at once
-    # took gigabytes of a first start's memory (docs/experiments/2026-12-07-xeon-amx.md)
-    if formats.format_unavailable("mkl", torch.device("cpu"), torch.float32):
-        pytest.skip("MKL's packed GEMM is not offered on this CPU")
+    # took gigabytes of a first start's memory (docs/experiments/2026-12-07-xeon-amx.md). int8: made on every CPU
     monkeypatch.setattr(formats, "last_level_cache", lambda: 1 << 20)
     monkeypatch.setattr(formats, "REPEATS", 1)
     timed = []
@@ -115,7 +113,7 @@ def test_the_probe_holds_one_group_s_copies_at_a_time(routed, monkeypatch):
         return time_formats(layers, paths, **kwargs)
 
     monkeypatch.setattr(formats, "time_formats", recorded)
-    formats._probe(routed, ["plain", "mkl"], None, [])
+    formats._probe(routed, ["plain", "int8"], None, [])
     groups = {layer.group for layer in routed_linears(routed)}
     assert {group for group, _ in timed} == groups
     assert all(holding == {group} for group, holding in timed), timed
