@@ -19,7 +19,10 @@ the app's process start:
   memory          VmRSS of the app and every descendant (a builder and its compilers included, also after they
                   are re-parented), sampled every 0.5 s: the peak total, the processes at that moment, each
                   process's own peak (VmHWM, which the kernel keeps between samples), and the sum of those peaks
-                  (an upper bound on the total)
+                  (an upper bound on the total); and the peak of the processes' summed Pss (smaps_rollup, every
+                  2 s: reading it walks a process's pages), which
+                  counts a page two processes share once (the app and its builder map the same checkpoint files:
+                  their VmRSS sum counts those pages twice)
 
 Then it ends the app as Ctrl-C would (SIGINT: its exit hooks run), its process group (SIGTERM, then SIGKILL), and
 any process of its tree still alive a few seconds later (reported as `outlived_app`: a builder that did not end with
@@ -54,6 +57,7 @@ SERVING, UNAVAILABLE = "captured steps serving:", "captured steps unavailable"
 EMULATION = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
              "FBGEMM_ENABLE_INSTRUCTIONS")
 SAMPLE_S = 0.5
+PSS_EVERY = 4  # samples: reading smaps_rollup walks a process's pages (~25 ms per 4 GiB), so Pss is summed every 2 s
 
 
 # -- the process tree and its memory ----------------------------------------------------------------------------------
@@ -92,6 +96,7 @@ class ProcessTree:
         self.root, self.t0 = root, t0
         self.seen: dict[tuple[int, int], dict] = {}  # (pid, start) -> {pid, name, command, start_ticks, peaks, ...}
         self.peak = {"total_bytes": 0, "t_s": None, "processes": []}
+        self.peak_pss = {"total_bytes": 0, "t_s": None}
         self.samples = 0
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="process-tree")
@@ -124,7 +129,7 @@ class ProcessTree:
 
     def sample(self) -> None:
         now = round(time.monotonic() - self.t0, 2)
-        total, at = 0, []
+        total, pss, at = 0, 0, []
         with self._lock:
             for pid, start in self.members().items():
                 status = _read(f"/proc/{pid}/status")
@@ -141,8 +146,12 @@ class ProcessTree:
                 entry["hwm_bytes"] = max(entry["hwm_bytes"], hwm)
                 entry["last_s"] = now
                 total += rss
+                if self.samples % PSS_EVERY == 0:
+                    pss += _kib(_read(f"/proc/{pid}/smaps_rollup"), "Pss")
                 at.append({"pid": pid, "name": entry["name"], "rss_bytes": rss})
             self.samples += 1
+            if pss > self.peak_pss["total_bytes"]:
+                self.peak_pss = {"total_bytes": pss, "t_s": now}
             if total > self.peak["total_bytes"]:
                 self.peak = {"total_bytes": total, "t_s": now,
                              "processes": sorted(at, key=lambda p: -p["rss_bytes"])}
@@ -157,6 +166,7 @@ class ProcessTree:
             processes = sorted(self.seen.values(), key=lambda p: -p["hwm_bytes"])
             return {"peak_total_bytes": self.peak["total_bytes"], "peak_at_s": self.peak["t_s"],
                     "peak_processes": self.peak["processes"],
+                    "peak_pss_total_bytes": self.peak_pss["total_bytes"], "peak_pss_at_s": self.peak_pss["t_s"],
                     "hwm_sum_bytes": sum(p["hwm_bytes"] for p in processes),
                     "processes": processes, "samples": self.samples, "sample_s": SAMPLE_S}
 
@@ -377,7 +387,8 @@ def summary(start: dict) -> str:
         tree += f" (NO TREE: {start.get('run_status') or start.get('run_error')})"
     top = ", ".join(f"{p['name']} {p['rss_bytes'] / GiB:.1f}" for p in memory.get("peak_processes", [])[:4])
     peak = (f"peak {memory.get('peak_total_bytes', 0) / GiB:.2f} GiB at {memory.get('peak_at_s')} s ({top}; "
-            f"sum of own peaks {memory.get('hwm_sum_bytes', 0) / GiB:.2f} GiB)")
+            f"sum of own peaks {memory.get('hwm_sum_bytes', 0) / GiB:.2f} GiB; shared pages once (Pss) "
+            f"{memory.get('peak_pss_total_bytes', 0) / GiB:.2f} GiB at {memory.get('peak_pss_at_s')} s)")
     outlived = [p["command"][:60] for p in ended.get("outlived_app") or []]
     return (f"{start['label']}: page {start.get('page_s')} s, {tree}, captured steps {captured.get('state')} at "
             f"{captured.get('s')} s; {peak}; ended by {ended.get('app_ended_by')}"
