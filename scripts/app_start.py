@@ -19,10 +19,11 @@ the app's process start:
   memory          VmRSS of the app and every descendant (a builder and its compilers included, also after they
                   are re-parented), sampled every 0.5 s: the peak total, the processes at that moment, each
                   process's own peak (VmHWM, which the kernel keeps between samples), and the sum of those peaks
-                  (an upper bound on the total); and the peak of the processes' summed Pss (smaps_rollup, every
-                  2 s: reading it walks a process's pages), which
-                  counts a page two processes share once (the app and its builder map the same checkpoint files:
-                  their VmRSS sum counts those pages twice)
+                  (an upper bound on the total); with --pss, also the peak of the processes' summed Pss
+                  (smaps_rollup, every 2 s), which counts a page two processes share once (the app and its builder
+                  map the same checkpoint files: their VmRSS sum counts those pages twice). Off by default:
+                  reading smaps_rollup walks a process's pages, ~25 ms per 4 GiB of the app's cores' time, and
+                  the app caches a measurement only where no other process took that much of its cores
 
 Then it ends the app as Ctrl-C would (SIGINT: its exit hooks run), its process group (SIGTERM, then SIGKILL), and
 any process of its tree still alive a few seconds later (reported as `outlived_app`: a builder that did not end with
@@ -92,8 +93,8 @@ class ProcessTree:
     tree if it descends from the app, from a process seen in the tree before (an orphan keeps its place), or shares
     the app's process group. Identities are (pid, start time), so a reused pid is never counted or signalled."""
 
-    def __init__(self, root: int, t0: float):
-        self.root, self.t0 = root, t0
+    def __init__(self, root: int, t0: float, pss: bool = False):
+        self.root, self.t0, self.pss = root, t0, pss
         self.seen: dict[tuple[int, int], dict] = {}  # (pid, start) -> {pid, name, command, start_ticks, peaks, ...}
         self.peak = {"total_bytes": 0, "t_s": None, "processes": []}
         self.peak_pss = {"total_bytes": 0, "t_s": None}
@@ -146,7 +147,7 @@ class ProcessTree:
                 entry["hwm_bytes"] = max(entry["hwm_bytes"], hwm)
                 entry["last_s"] = now
                 total += rss
-                if self.samples % PSS_EVERY == 0:
+                if self.pss and self.samples % PSS_EVERY == 0:
                     pss += _kib(_read(f"/proc/{pid}/smaps_rollup"), "Pss")
                 at.append({"pid": pid, "name": entry["name"], "rss_bytes": rss})
             self.samples += 1
@@ -273,14 +274,14 @@ class App:
     """One app process (`command`, in its own session and process group), its log and its process tree; `end()`
     ends them all."""
 
-    def __init__(self, command: list[str], env: dict, log: Path):
+    def __init__(self, command: list[str], env: dict, log: Path, pss: bool = False):
         self.command, self.log = command, log
         self.t0 = time.monotonic()
         sigint_reaches_children()
         self.process = subprocess.Popen(command, cwd=REPOSITORY, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                         errors="replace", start_new_session=True)
-        self.tree = ProcessTree(self.process.pid, self.t0).start()
+        self.tree = ProcessTree(self.process.pid, self.t0, pss).start()
         self.watch = LogWatch(self.process.stdout, log, self.t0).start()
         self.ended: dict | None = None
 
@@ -340,7 +341,7 @@ def measure_start(args, label: str, prompt: str, log: Path, out: dict) -> dict:
     """One start of the app, measured into `out` (module docstring; filled as it goes, so an error or Ctrl-C keeps
     what was measured), then ended."""
     port = free_port()
-    app = App(app_command(args, port), app_env(args), log)
+    app = App(app_command(args, port), app_env(args), log, args.pss)
     url = f"http://127.0.0.1:{port}/"
     out.update(label=label, command=app.command, app_pid=app.process.pid, log=str(log))
     try:
@@ -387,8 +388,9 @@ def summary(start: dict) -> str:
         tree += f" (NO TREE: {start.get('run_status') or start.get('run_error')})"
     top = ", ".join(f"{p['name']} {p['rss_bytes'] / GiB:.1f}" for p in memory.get("peak_processes", [])[:4])
     peak = (f"peak {memory.get('peak_total_bytes', 0) / GiB:.2f} GiB at {memory.get('peak_at_s')} s ({top}; "
-            f"sum of own peaks {memory.get('hwm_sum_bytes', 0) / GiB:.2f} GiB; shared pages once (Pss) "
-            f"{memory.get('peak_pss_total_bytes', 0) / GiB:.2f} GiB at {memory.get('peak_pss_at_s')} s)")
+            f"sum of own peaks {memory.get('hwm_sum_bytes', 0) / GiB:.2f} GiB"
+            + (f"; shared pages once (Pss) {memory['peak_pss_total_bytes'] / GiB:.2f} GiB at "
+               f"{memory.get('peak_pss_at_s')} s)" if memory.get("peak_pss_total_bytes") else ")"))
     outlived = [p["command"][:60] for p in ended.get("outlived_app") or []]
     return (f"{start['label']}: page {start.get('page_s')} s, {tree}, captured steps {captured.get('state')} at "
             f"{captured.get('s')} s; {peak}; ended by {ended.get('app_ended_by')}"
@@ -411,6 +413,8 @@ def main(argv=None) -> int:
     parser.add_argument("--second-start", action="store_true", help="then start it again on the same cache")
     parser.add_argument("--log-dir", help="where the app's logs go (default: a new temporary folder)")
     parser.add_argument("--json", help="write every number here")
+    parser.add_argument("--pss", action="store_true",
+                        help="also sum the processes' Pss every 2 s (it costs the app's cores CPU time: see above)")
     args = parser.parse_args(argv)
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # ends the app through the finally blocks

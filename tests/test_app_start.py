@@ -34,7 +34,7 @@ def test_a_start_of_the_tiny_app_is_measured_and_ended(tmp_path):
     env = {**os.environ, "TREEVIZ_CAPTURE": "off"}
     done = subprocess.run([sys.executable, "-m", "scripts.app_start", "--pair", "tiny-random", "--cache",
                            str(tmp_path / "cache"), "--capture-timeout", "1", "--max-new-tokens", "8",
-                           "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
+                           "--log-dir", str(tmp_path / "logs"), "--json", str(out), "--pss"],
                           cwd=REPOSITORY, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
