@@ -19,11 +19,11 @@ import torch
 from engine.measure.costs import machine, read_cached, table_file, write_json
 from engine.measure.quiet import watch_cpu
 
-FORMAT = 3  # bump when the meaning of a cached measurement changes
+FORMAT = 4  # bump when the meaning of a cached measurement changes
 FALLBACK = 32 << 20  # where sysfs says nothing
 GRID = tuple(m << 20 for m in (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072))
 MEMORY_SPEED = 1.25  # a warm re-read within this factor of an uncacheable buffer's rate is served mostly from memory
-# (on the AMX Xeon of 2026-12-07 a 128 MiB buffer read 1.13-1.19x memory's rate: partly held, and counted out)
+# (on the AMX Xeon of 2026-12-07 a 96 MiB buffer read 1.19x memory's rate on one thread: partly held, counted out)
 PASSES = 3  # over the grid; each size's fastest read counts (other work only ever slows one)
 MARGIN = 2  # the edge is doubled: a start measures it while its other thread imports the page, so it may come
 # out small, and a probe sized by too small a cache times its weights from the cache (see the lab note above)
@@ -44,17 +44,24 @@ def reported_cache(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> i
 
 
 def warm_read_rate(nbytes: int, repeats: int = 5, seconds: float = 0.05) -> float:
-    """Bytes per second of the fastest of at least `repeats` sums, and of as many as `seconds` holds, of an fp32
-    buffer of `nbytes` read twice before: a buffer the cache holds is re-read at the cache's speed, a larger one at
-    memory's. Noise only slows a read, so the fastest is the measure."""
+    """Bytes per second of the fastest of at least `repeats` sums on one thread, and of as many as `seconds` holds,
+    of an fp32 buffer of `nbytes` read twice before: a buffer the cache holds is re-read at the cache's speed, a
+    larger one at memory's. One thread: its reads drop from the cache's speed to memory's within one step of the grid
+    (2x to 1.2x on the AMX Xeon of 2026-12-07, where two threads' fell over three), and work on the other core
+    leaves them alone. Noise only slows a read, so the fastest is the measure."""
     buffer = torch.ones(max(nbytes // 4, 1))
-    buffer.sum()
-    buffer.sum()
-    fastest, count, begin = float("inf"), 0, time.perf_counter()
-    while count < repeats or time.perf_counter() - begin < seconds:
-        start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         buffer.sum()
-        fastest, count = min(fastest, time.perf_counter() - start), count + 1
+        buffer.sum()
+        fastest, count, begin = float("inf"), 0, time.perf_counter()
+        while count < repeats or time.perf_counter() - begin < seconds:
+            start = time.perf_counter()
+            buffer.sum()
+            fastest, count = min(fastest, time.perf_counter() - start), count + 1
+    finally:
+        torch.set_num_threads(threads)
     return nbytes / fastest
 
 

@@ -16,7 +16,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     reported = cache.reported_cache()
-    print(f"sysfs reports {reported >> 20} MiB; torch threads {torch.get_num_threads()}")
+    print(f"sysfs reports {reported >> 20} MiB; read on one thread (torch's threads otherwise: "
+          f"{torch.get_num_threads()})")
     sizes = [s for s in cache.GRID if s < reported] + [2 * reported]
     rates = {s: [] for s in sizes}
     knees = []
