@@ -3,9 +3,8 @@
 Making every format of a 1.5B model whole to time whole forwards costs minutes and a copy of the weights per format
 (engine/cpu/kernels.py lists them), and most formats lose on a given CPU (weight-only int8 on an AVX2-only CPU
 loses at every row count). So formats are timed on the linears of the model's first decoder layers -- enough of
-them that the group's own weights fill the last-level cache (every layer where the model has fewer; the cache this
-process keeps, measured where a VM reports its host's: engine/measure/cache.py), the cache flushed before every timed
-sweep, so the probe streams from memory as a forward does -- and on the layers
+them that the group's own weights fill the last-level cache (every layer where the model has fewer), the cache
+flushed before every timed sweep, so the probe streams from memory as a forward does -- and on the layers
 outside them (the LM head), one shape group at a time (`kernels.group_of`: every linear of one weight shape), at each
 rung of the ladder:
 
@@ -42,7 +41,6 @@ from engine.cpu.kernels import (INT4_GROUP, PATHS, QUANTISED, RoutedLinear, drop
                                 linear_bytes, named_routed_linears, routed_linears, router_of, tensor_bytes,
                                 tied_weights)
 from engine.cpu.memory import available_memory, grown
-from engine.measure.cache import effective_cache
 from engine.measure.costs import ModelCosts, machine, model_identity, read_cached, table_file, write_json
 from engine.measure.ladder import climb, interpolate
 from engine.measure.quiet import watch_cpu
@@ -133,9 +131,16 @@ class FormatChoice:
 # -- the probe ------------------------------------------------------------------------------------------------------
 
 def last_level_cache() -> int:
-    """Bytes of last-level cache the probe sizes its sweeps and flushes by: sysfs's report, or less where this
-    machine re-reads a smaller buffer at memory speed already (engine/measure/cache.py: a VM may report its host's)."""
-    return effective_cache()
+    """Bytes of the CPU's last-level cache (32 MiB where sysfs does not say)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+            best = max(best, int(size.rstrip("KMG")) * scale)
+        except (OSError, ValueError, IndexError):
+            continue
+    return best or 32 << 20
 
 
 def probe_groups(model) -> dict[str, list[RoutedLinear]]:

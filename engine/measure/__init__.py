@@ -3,8 +3,6 @@
   costs.py      forward cost tables per model and kernel path, measured once per machine and cached (the performance
                 model: c = draft / target, t(n) = a verify of n rows / a verify of one)
   graphed.py    a GPU's cost table through static steps, one CUDA graph per rung; the rung timer CPU packages use
-  cache.py      how much last-level cache this process keeps (sysfs's report, or less where a warm re-read of a
-                smaller buffer already runs at memory speed): what the format probe sizes its sweeps by
   ladder.py     reading a measured ladder between its rungs (pure Python)
   gpu_tables.py a GPU's measured cost tables shipped in assets/gpu/ (pure Python: the app reads them)
   autosize.py   `auto`: each iteration's tree size from the cost table and the run's own acceptance, or AR steps

@@ -1,37 +1,69 @@
-"""Lab probe: how much last-level cache does this process keep? A warm re-read's rate at each size of
-engine/measure/cache.py's grid, beside a buffer of twice what sysfs reports (memory speed), and the size the format
-probe takes from them (`cache_knee`). Rounds alternate so a drift of the machine shows as a spread.
+"""Lab probe: how much last-level cache does a sequential re-read find on this machine? A warm re-read's rate on
+one thread at sizes from 16 MiB up to what sysfs reports, beside a buffer of twice the report (memory's speed), and
+the edge: the smallest size from which a re-read runs within EDGE of memory's speed, two sizes in a row. Rounds
+alternate so a drift of the machine shows as a spread.
+
+The format probe does not size itself by this edge: on the AMX Xeon of 2026-12-07 it was 96 MiB of a reported 480,
+and a probe sized by twice it routed the target to a slower table
+(docs/experiments/2026-12-07-probe-cache.md).
 
     python -m scripts.lab.cache_knee [--rounds 3]
 """
 import argparse
+import time
 
 import torch
 
-from engine.measure import cache
+from engine.cpu.formats import last_level_cache
+
+GRID = tuple(m << 20 for m in (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072))
+EDGE = 1.25
+
+
+def warm_read_rate(nbytes: int, repeats: int = 5, seconds: float = 0.05) -> float:
+    """Bytes per second of the fastest of at least `repeats` one-thread sums of an fp32 buffer read twice before."""
+    buffer = torch.ones(max(nbytes // 4, 1))
+    buffer.sum()
+    buffer.sum()
+    fastest, count, begin = float("inf"), 0, time.perf_counter()
+    while count < repeats or time.perf_counter() - begin < seconds:
+        start = time.perf_counter()
+        buffer.sum()
+        fastest, count = min(fastest, time.perf_counter() - start), count + 1
+    return nbytes / fastest
+
+
+def edge(rates: dict[int, float], reported: int) -> int:
+    memory = rates[2 * reported]
+    sizes = sorted(s for s in rates if s < reported)
+    slow = [rates[s] <= EDGE * memory for s in sizes]
+    for i in range(1, len(sizes)):
+        if slow[i - 1] and slow[i]:
+            return sizes[i - 1]
+    return reported
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    reported = cache.reported_cache()
-    print(f"sysfs reports {reported >> 20} MiB; read on one thread (torch's threads otherwise: "
-          f"{torch.get_num_threads()})")
-    sizes = [s for s in cache.GRID if s < reported] + [2 * reported]
+    torch.set_num_threads(1)
+    reported = last_level_cache()
+    print(f"sysfs reports {reported >> 20} MiB; read on one thread")
+    sizes = [s for s in GRID if s < reported] + [2 * reported]
     rates = {s: [] for s in sizes}
-    knees = []
+    edges = []
     for _ in range(args.rounds):
         for size in sizes:
-            rates[size].append(cache.warm_read_rate(size))
-        knees.append(cache.cache_knee(reported))
+            rates[size].append(warm_read_rate(size))
+        edges.append(edge({s: r[-1] for s, r in rates.items()}, reported))
     memory = max(rates[2 * reported])
     print("size MiB | warm re-read GB/s, each round | best / memory's best")
     for size in sizes:
         row = " ".join(f"{r / 1e9:5.1f}" for r in rates[size])
         print(f"{size >> 20:8d} | {row} | {max(rates[size]) / memory:.2f}")
-    print(f"cache_knee, each round: {', '.join(str(k >> 20) for k in knees)} MiB "
-          f"(memory speed: within {cache.MEMORY_SPEED} of a {2 * reported >> 20} MiB buffer's rate)")
+    print(f"edge, each round: {', '.join(str(k >> 20) for k in edges)} MiB "
+          f"(memory speed: within {EDGE} of a {2 * reported >> 20} MiB buffer's rate)")
 
 
 if __name__ == "__main__":
