@@ -10,27 +10,14 @@ and a probe sized by twice it routed the target to a slower table
     python -m scripts.lab.cache_knee [--rounds 3]
 """
 import argparse
-import time
 
 import torch
 
 from engine.cpu.formats import last_level_cache
+from engine.measure.costs import stream_bandwidth
 
 GRID = tuple(m << 20 for m in (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072))
 EDGE = 1.25
-
-
-def warm_read_rate(nbytes: int, repeats: int = 5, seconds: float = 0.05) -> float:
-    """Bytes per second of the fastest of at least `repeats` one-thread sums of an fp32 buffer read twice before."""
-    buffer = torch.ones(max(nbytes // 4, 1))
-    buffer.sum()
-    buffer.sum()
-    fastest, count, begin = float("inf"), 0, time.perf_counter()
-    while count < repeats or time.perf_counter() - begin < seconds:
-        start = time.perf_counter()
-        buffer.sum()
-        fastest, count = min(fastest, time.perf_counter() - start), count + 1
-    return nbytes / fastest
 
 
 def edge(rates: dict[int, float], reported: int) -> int:
@@ -55,7 +42,8 @@ def main() -> None:
     edges = []
     for _ in range(args.rounds):
         for size in sizes:
-            rates[size].append(warm_read_rate(size))
+            # stream_bandwidth discards its first read: the rate is a warm re-read's
+            rates[size].append(stream_bandwidth(torch.device("cpu"), size, repeats=5, seconds=0.05))
         edges.append(edge({s: r[-1] for s, r in rates.items()}, reported))
     memory = max(rates[2 * reported])
     print("size MiB | warm re-read GB/s, each round | best / memory's best")
